@@ -1,0 +1,30 @@
+"""The ``ds-pseudo-real`` command: ``train`` (the main job), ``convert`` (pseudo -> real checkpoint), ``plan``
+(granular offload placement). Each subcommand lives with the code it drives; this module only dispatches."""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import List, Optional
+
+COMMANDS = {
+    "train": ("launch.train", "train the demo GPT through the pseudo and real stages (same flags as launch/train.py)"),
+    "convert": ("ds_pseudo_real.convert", "convert a pseudo-stage checkpoint into a real-stage one, offline"),
+    "plan": ("ds_pseudo_real.offload.cli", "print a granular offload placement plan as a table"),
+}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {name:<8} {doc}" for name, (_, doc) in COMMANDS.items()]
+        print("usage: ds-pseudo-real {" + ",".join(COMMANDS) + "} ...\n\ncommands:\n" + "\n".join(lines))
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nds-pseudo-real: error: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The ``pseudo_to_real`` section of a DeepSpeed JSON config, validated like DeepSpeed's own sections.
+
+Owns: the pydantic models, loading the section from a dict or JSON file, and turning validation failures into
+one error that names the key, the value received and what is accepted. Must not build models or engines.
+"""
+from __future__ import annotations
+
+import json
+import os
+from enum import Enum
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SECTION = "pseudo_to_real"
+
+
+class ConfigError(ValueError):
+    """A bad key or value in one of the plugin's config sections."""
+
+
+class SectionModel(BaseModel):
+    """Base of every plugin section: unknown keys are refused, values are checked on assignment too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=True)
+
+
+class OptimizerStatePolicy(str, Enum):
+    COPY = "copy"
+    RESET = "reset"
+    SCALE = "scale"
+
+
+class PlateauMetric(str, Enum):
+    VALIDATION = "val_loss"
+    TRAINING = "train_loss"
+
+
+class PlateauTrigger(SectionModel):
+    """Switch when the mean ``metric`` over the last ``window`` values improved by less than ``min_improvement``
+    on the mean of the ``window`` values before them."""
+
+    metric: PlateauMetric = PlateauMetric.VALIDATION
+    window: int = Field(5, ge=1)
+    min_improvement: float = Field(0.01, ge=0.0)
+    min_steps: int = Field(0, ge=0)
+
+
+class SwitchTrigger(SectionModel):
+    """Exactly one of: a step, a token count, a plateau of the pseudo loss."""
+
+    at_step: Optional[int] = Field(None, ge=1)
+    at_tokens: Optional[int] = Field(None, ge=1)
+    on_plateau: Optional[PlateauTrigger] = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "SwitchTrigger":
+        chosen = [k for k in ("at_step", "at_tokens", "on_plateau") if getattr(self, k) is not None]
+        if len(chosen) != 1:
+            raise ValueError(f"give exactly one of at_step, at_tokens, on_plateau; got {chosen or 'none'}")
+        return self
+
+
+class PseudoToRealConfig(SectionModel):
+    """Top-level ``"pseudo_to_real"`` section."""
+
+    enabled: bool = True
+    layers: str = Field("layers", min_length=1)
+    groups: int = Field(1, ge=1)
+    switch: SwitchTrigger = Field(default_factory=lambda: SwitchTrigger(at_step=1000))
+    optimizer_state: OptimizerStatePolicy = OptimizerStatePolicy.COPY
+    rewarmup_steps: int = Field(0, ge=0)
+
+
+def format_validation_error(section: str, error: ValidationError) -> str:
+    """One line per problem: ``section.key: message (got value)``."""
+    lines = []
+    for item in error.errors():
+        where = ".".join([section] + [str(p) for p in item["loc"]])
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        value = item.get("input")
+        lines.append(f"{where}: {message} (got {value!r})")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def validate_section(model: type, section: str, raw: Any) -> Any:
+    """Validate one section's dict into ``model``, raising :class:`ConfigError` on any problem."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"invalid config:\n  {section}: expected an object, got {raw!r}")
+    try:
+        return model.model_validate(dict(raw))
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(section, error)) from None
+
+
+def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> Dict[str, Any]:
+    """Read a DeepSpeed config given as a path or a dict into a fresh dict."""
+    if isinstance(config, Mapping):
+        return json.loads(json.dumps(config))
+    path = os.fspath(config)
+    if not os.path.isfile(path):
+        raise ConfigError(f"DeepSpeed config file not found: {path!r}")
+    with open(path) as handle:
+        try:
+            return json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"DeepSpeed config {path!r} is not valid JSON: {error}") from None
+
+
+def parse_pseudo_to_real(ds_config: Mapping[str, Any]) -> PseudoToRealConfig:
+    """The validated ``pseudo_to_real`` section (defaults with ``enabled: false`` when the section is absent)."""
+    if SECTION not in ds_config:
+        return PseudoToRealConfig(enabled=False)
+    return validate_section(PseudoToRealConfig, SECTION, ds_config[SECTION])
+
+
+def split_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> Tuple[Dict[str, Any], PseudoToRealConfig]:
+    """The DeepSpeed config as a dict and the validated ``pseudo_to_real`` section."""
+    ds_config = load_ds_config(config)
+    return ds_config, parse_pseudo_to_real(ds_config)

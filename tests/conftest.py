@@ -1,0 +1,41 @@
+"""Shared test set-up: one fixed C++ extension cache, a single-process distributed environment, helpers to run
+2-rank jobs on gloo."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def single_process_dist_env():
+    """DeepSpeed looks for these before falling back to MPI discovery (which fails without mpi4py)."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    yield
+
+
+def run_two_ranks(script: Path, *args: str, timeout: float = 600, env_extra=None) -> subprocess.CompletedProcess:
+    """Run ``script`` on 2 gloo ranks with torchrun; fail the test with the output if it exits non-zero."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
+    env.update(env_extra or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(script), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
