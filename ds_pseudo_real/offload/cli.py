@@ -1,0 +1,80 @@
+"""``ds-pseudo-real plan``: print the granular offload plan for a DeepSpeed config, without building the model.
+
+Owns: argument parsing and printing. The numbers come from ``planner`` (byte model) and ``config`` (section).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from ds_pseudo_real.config import ConfigError, load_ds_config
+from ds_pseudo_real.offload.config import explicit_levels, parse_granular_offload, training_setup
+from ds_pseudo_real.offload.planner import (
+    PlacementLevel, PlanError, describe_plan, format_bytes, parse_bytes, place, plan_placement, uniform_groups,
+)
+
+
+def _byte_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds-pseudo-real plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="DeepSpeed JSON with a granular_offload section")
+    parser.add_argument("--device-memory", type=_byte_arg,
+                        help="device budget per rank, e.g. 32GB (1e9) or 32GiB (2**30); overrides the section's")
+    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (ZeRO partitions over them)")
+    parser.add_argument("--num-layers", type=int, help="overrides granular_offload.model.num_layers")
+    parser.add_argument("--layer-params", type=int, help="parameters per layer per rank; overrides the section's")
+    parser.add_argument("--other-params", type=int, help="non-layer parameters per rank; overrides the section's")
+    parser.add_argument("--shared-groups", type=int,
+                        help="plan the pseudo model whose layers share this many parameter sets")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        ds_config = load_ds_config(args.config)
+        if args.device_memory is not None:
+            ds_config.setdefault("granular_offload", {})
+            ds_config["granular_offload"].pop("levels", None)
+            ds_config["granular_offload"]["device_memory"] = args.device_memory
+        section = parse_granular_offload(ds_config)
+        if section is None:
+            raise ConfigError(f"{args.config}: no enabled granular_offload section and no --device-memory given")
+        model = section.model
+        num_layers = args.num_layers or (model.num_layers if model else None)
+        layer_params = args.layer_params or (model.layer_params if model else None)
+        if num_layers is None or layer_params is None:
+            raise ConfigError("invalid config:\n  granular_offload.model: needed to plan without building the model "
+                              "(num_layers, layer_params[, other_params, shared_groups]) or give --num-layers and "
+                              "--layer-params")
+        other = args.other_params if args.other_params is not None else (model.other_params if model else 0)
+        shared = args.shared_groups or (model.shared_groups if model else None)
+        if shared is not None and (shared < 1 or num_layers % shared):
+            raise ConfigError(f"invalid config:\n  --shared-groups: got {shared}; it must be >= 1 and divide "
+                              f"num_layers ({num_layers})")
+        groups = uniform_groups(num_layers, layer_params, other, shared)
+        setup = training_setup(ds_config, section, args.world_size, num_layers)
+        resident = place(groups, {}, setup, section.device_memory)
+        print(f"without offload: device {format_bytes(resident.device_bytes)} per rank"
+              + ("" if section.device_memory is None else
+                 f" ({'fits' if resident.fits() else 'does not fit'} {format_bytes(section.device_memory)})"))
+        if section.levels is not None:
+            plan = place(groups, explicit_levels(section, groups), setup)
+        else:
+            plan = plan_placement(groups, setup, section.device_memory, PlacementLevel(section.max_level))
+        print(describe_plan(plan))
+        return 0
+    except (ConfigError, PlanError) as error:
+        print(f"ds-pseudo-real plan: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

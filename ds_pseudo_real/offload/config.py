@@ -1,0 +1,145 @@
+"""The ``granular_offload`` section of a DeepSpeed JSON config, and what the planner reads from the rest of it.
+
+Owns: the pydantic model of the section (validated like DeepSpeed's own sections, errors through
+``ds_pseudo_real.config``), and turning a DeepSpeed config + world size into the planner's ``TrainingSetup``.
+Must not build models, optimizers or engines.
+
+    "granular_offload": {
+        "device_memory": "32GB",          # plan within this budget per device (int bytes, "GB" = 1e9, "GiB" = 2**30)
+        "levels": {"0": "device", "47": "host_optimizer", "other": "device"},   # ... or explicit levels instead
+        "max_level": "host_params",       # furthest level the planner may use
+        "activations": {"micro_batch": 1, "seq_len": 1024, "hidden": 1024, "heads": 16, "checkpointing": true},
+        "reserved": "2GiB",               # kept free on the device (allocator fragmentation, buffers)
+        "prefetch": true, "pin_memory": true,
+        "model": {"num_layers": 48, "layer_params": 1000000, "other_params": 0, "shared_groups": 1}  # plan CLI only
+    }
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from ds_pseudo_real.config import ConfigError, SectionModel, validate_section
+from ds_pseudo_real.offload.planner import (
+    OTHER, GroupSize, PlacementLevel, PlanError, TrainingSetup, estimate_activation_bytes, parse_bytes,
+)
+
+SECTION = "granular_offload"
+
+
+class ActivationEstimate(SectionModel):
+    """Shape of one micro-batch, for the activation estimate of ``planner.estimate_activation_bytes``."""
+
+    micro_batch: int = Field(..., ge=1)
+    seq_len: int = Field(..., ge=1)
+    hidden: int = Field(..., ge=1)
+    heads: int = Field(..., ge=1)
+    checkpointing: bool = False
+
+
+class ModelSize(SectionModel):
+    """Parameter counts per rank, for planning from a config without building the model (the ``plan`` command)."""
+
+    num_layers: int = Field(..., ge=1)
+    layer_params: int = Field(..., ge=1)
+    other_params: int = Field(0, ge=0)
+    shared_groups: Optional[int] = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _groups_divide(self) -> "ModelSize":
+        if self.shared_groups is not None and self.num_layers % self.shared_groups:
+            raise ValueError(f"shared_groups ({self.shared_groups}) must divide num_layers ({self.num_layers})")
+        return self
+
+
+class GranularOffloadConfig(SectionModel):
+    """Top-level ``"granular_offload"`` section: a budget to plan within, or explicit levels."""
+
+    enabled: bool = True
+    device_memory: Optional[int] = None
+    levels: Optional[Union[List[str], Dict[str, str]]] = None
+    max_level: PlacementLevel = PlacementLevel.HOST_PARAMS
+    activations: Optional[ActivationEstimate] = None
+    activation_bytes: Optional[int] = None
+    reserved: int = 0
+    prefetch: bool = True
+    pin_memory: bool = True
+    model: Optional[ModelSize] = None
+
+    @field_validator("device_memory", "activation_bytes", "reserved", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        return None if value is None else parse_bytes(value)
+
+    @field_validator("levels", mode="before")
+    @classmethod
+    def _levels(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        if not isinstance(value, (list, dict)):
+            raise ValueError("expected a list with one level per layer or a dict {layer index or 'other': level}")
+        accepted = [level.value for level in PlacementLevel]
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, level in items:
+            if isinstance(value, dict) and key != OTHER and not str(key).isdigit():
+                raise ValueError(f"key {key!r}: accepted keys are layer indices ('0', '1', ...) and {OTHER!r}")
+            if level not in accepted:
+                raise ValueError(f"[{key!r}] is {level!r}; accepted levels: {accepted}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_way_to_plan(self) -> "GranularOffloadConfig":
+        if self.enabled and (self.device_memory is None) == (self.levels is None):
+            raise ValueError("give exactly one of device_memory (plan within a budget) or levels (explicit placement)")
+        if self.activations is not None and self.activation_bytes is not None:
+            raise ValueError("give at most one of activations (estimated) or activation_bytes (measured)")
+        return self
+
+
+def parse_granular_offload(ds_config: Mapping[str, Any]) -> Optional[GranularOffloadConfig]:
+    """The validated section, or None when it is absent or ``enabled`` is false."""
+    if SECTION not in ds_config:
+        return None
+    section = validate_section(GranularOffloadConfig, SECTION, ds_config[SECTION])
+    return section if section.enabled else None
+
+
+def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig, world_size: int,
+                   num_layers: int) -> TrainingSetup:
+    """Read dtype and ZeRO stage from the DeepSpeed config; data-parallel size is ``world_size`` (no model parallel)."""
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    for key in ("offload_optimizer", "offload_param"):
+        if zero.get(key) and (zero[key].get("device", "none") if isinstance(zero[key], Mapping) else zero[key]) != "none":
+            raise ConfigError(f"invalid config:\n  zero_optimization.{key}: got {zero[key]!r}, but {SECTION} places "
+                              f"optimizer state and parameters itself; accepted: absent or {{\"device\": \"none\"}}")
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        raise ConfigError(f"invalid config:\n  fp16.enabled: got True; {SECTION} supports fp32 and bf16.enabled")
+    dtype = "bf16" if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled") else "fp32"
+    if section.activations is not None:
+        a = section.activations
+        activation = estimate_activation_bytes(a.micro_batch, a.seq_len, a.hidden, a.heads, num_layers, dtype,
+                                               a.checkpointing)
+    else:
+        activation = section.activation_bytes or 0
+    try:
+        return TrainingSetup(dtype, stage, world_size, activation, section.reserved)
+    except PlanError as error:
+        raise ConfigError(f"invalid config:\n  {error}") from None
+
+
+def explicit_levels(section: GranularOffloadConfig, groups: Sequence[GroupSize]) -> Dict[str, PlacementLevel]:
+    """Map ``section.levels`` (a list over layers, or a dict by layer index / 'other') onto group names."""
+    layers = [g for g in groups if g.is_layer]
+    if isinstance(section.levels, list):
+        if len(section.levels) != len(layers):
+            raise ConfigError(f"invalid config:\n  {SECTION}.levels: got a list of {len(section.levels)} levels, "
+                              f"the model has {len(layers)} layers; accepted: one level per layer, or a dict")
+        return {g.name: PlacementLevel(level) for g, level in zip(layers, section.levels)}
+    names = {str(g.index) if g.is_layer else OTHER: g.name for g in groups}
+    unknown = [k for k in section.levels if k not in names]
+    if unknown:
+        raise ConfigError(f"invalid config:\n  {SECTION}.levels: got keys {unknown} not in the model; "
+                          f"accepted: layer indices 0..{len(layers) - 1} and {OTHER!r}")
+    return {names[k]: PlacementLevel(v) for k, v in section.levels.items()}

@@ -1,0 +1,335 @@
+"""Granular offload placement: per-group byte accounting and the planner, as plain functions over plain data.
+
+Owns: the placement levels, the per-rank byte model of one parameter group under DeepSpeed ZeRO 0/1/2, and
+choosing a level per group that fits a device-memory budget while moving the fewest bytes per step.
+Must not import torch, DeepSpeed or Megatron: the CLI plans M6-10T-sized models from a config without building them.
+
+Byte model (per rank, written against DeepSpeed 0.19.8 ``stage_1_and_2.py`` / ``bf16_optimizer.py``):
+  n = the group's parameter elements; w = working dtype bytes (4 fp32, 2 bf16); D = data-parallel size;
+  m = the optimizer's partition of the group: n under ZeRO 0 in fp32 (the optimizer steps the model's params),
+      else ceil(n / 2D) * 2 (DeepSpeed pads each flat group to a multiple of 2 * D, then splits it D ways).
+  DeepSpeed-owned, every level: working params n*w (on the host for HOST_PARAMS), gradients n*w (m*w under ZeRO 2),
+      and under ZeRO >= 1 or bf16 its own fp32 partition 4*m on the device.
+  Optimizer-owned (what GranularOffloadOptimizer holds): Adam moments 8*m, on the device for DEVICE; for the host
+      levels the moments and a host fp32 master 4*m on the host (for HOST_PARAMS in fp32 ZeRO 0 the host params
+      are that master, so it is not counted twice).
+  Moved per step: HOST_OPTIMIZER gradient D2H 4*m + updated master H2D 4*m; HOST_PARAMS gradient D2H 4*n +
+      params H2D twice (forward and backward fetch) 2*n*w per layer using them, and a device buffer for two layers'
+      params (the fetched one and the prefetched next).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
+
+ADAM_STATES = 2  # exp_avg, exp_avg_sq
+FP32 = 4
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+OTHER = "other"  # name of the group holding every parameter outside the layer list
+
+
+class PlacementLevel(str, Enum):
+    DEVICE = "device"
+    HOST_OPTIMIZER = "host_optimizer"
+    HOST_PARAMS = "host_params"
+
+
+LEVEL_ORDER = [PlacementLevel.DEVICE, PlacementLevel.HOST_OPTIMIZER, PlacementLevel.HOST_PARAMS]
+
+
+class PlanError(ValueError):
+    """No placement fits, or the requested placement is not supported with this setup."""
+
+
+@dataclass(frozen=True)
+class GroupSize:
+    """One placeable parameter group: a layer (``index`` >= 0) or the non-layer rest (``index`` = -1).
+    ``uses``: how many layers run with these parameters (L / groups in a pseudo model, else 1)."""
+
+    name: str
+    numel: int
+    index: int = -1
+    uses: int = 1
+
+    @property
+    def is_layer(self) -> bool:
+        return self.index >= 0
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What the byte model needs to know about the run, per data-parallel rank."""
+
+    dtype: str = "fp32"
+    zero_stage: int = 0
+    dp_size: int = 1
+    activation_bytes: int = 0
+    reserved_bytes: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_BYTES:
+            raise PlanError(f"dtype: got {self.dtype!r}, accepted: {sorted(DTYPE_BYTES)}")
+        if self.zero_stage not in (0, 1, 2):
+            raise PlanError(f"zero_optimization.stage: got {self.zero_stage!r}, granular offload accepts 0, 1, 2")
+        if self.dp_size < 1:
+            raise PlanError(f"world size / data-parallel size: got {self.dp_size!r}, accepted: an integer >= 1")
+
+    @property
+    def working_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def has_separate_master(self) -> bool:
+        """DeepSpeed keeps its own flat fp32 partition (ZeRO 1/2, or the bf16 optimizer at stage 0)."""
+        return self.zero_stage >= 1 or self.dtype != "fp32"
+
+    @property
+    def supports_host_params(self) -> bool:
+        """ZeRO 1/2 and the bf16 optimizer keep every group's params in one flat device buffer that a layer's
+        params cannot leave; only fp32 ZeRO 0 leaves the model's Parameters as they are."""
+        return not self.has_separate_master
+
+
+class GroupBytes(NamedTuple):
+    """Per-rank bytes of one group at one level."""
+
+    device: int
+    host: int
+    moved_per_step: int
+    optimizer_device: int
+    optimizer_host: int
+
+
+def partition_numel(numel: int, setup: TrainingSetup) -> int:
+    """Elements of the flat fp32 partition the optimizer steps on this rank (DeepSpeed's padding rule)."""
+    if not setup.has_separate_master:
+        return numel
+    alignment = 2 * setup.dp_size
+    return math.ceil(numel / alignment) * alignment // setup.dp_size
+
+
+def group_bytes(numel: int, level: PlacementLevel, setup: TrainingSetup, uses: int = 1) -> GroupBytes:
+    """The byte model of the module docstring for one group at ``level``; ``uses`` multiplies the fetches."""
+    level = PlacementLevel(level)
+    w, m = setup.working_bytes, partition_numel(numel, setup)
+    params = numel * w
+    grads = (m if setup.zero_stage == 2 else numel) * w
+    ds_master = FP32 * m if setup.has_separate_master else 0
+    moments = ADAM_STATES * FP32 * m
+    if level is PlacementLevel.DEVICE:
+        return GroupBytes(params + grads + ds_master + moments, 0, 0, moments, 0)
+    if level is PlacementLevel.HOST_OPTIMIZER:
+        host = FP32 * m + moments
+        return GroupBytes(params + grads + ds_master, host, 2 * FP32 * m, 0, host)
+    if not setup.supports_host_params:
+        raise PlanError(
+            f"granular_offload level 'host_params' needs fp32 with zero_optimization.stage 0 "
+            f"(got dtype={setup.dtype!r}, stage={setup.zero_stage}); accepted levels here: 'device', 'host_optimizer'"
+        )
+    host = params + moments  # fp32 ZeRO 0: the host params are the master
+    return GroupBytes(grads, host, FP32 * numel + 2 * params * uses, 0, host)
+
+
+@dataclass
+class GroupPlacement:
+    group: GroupSize
+    level: PlacementLevel
+    bytes: GroupBytes
+
+
+@dataclass
+class OffloadPlan:
+    """A level per group and the predicted per-rank bytes (see the module docstring for the byte model)."""
+
+    setup: TrainingSetup
+    budget_bytes: Optional[int]
+    placements: List[GroupPlacement] = field(default_factory=list)
+
+    @property
+    def prefetch_buffer_bytes(self) -> int:
+        """Device buffer for host-resident params: the fetched layer and the prefetched next one."""
+        sizes = sorted((p.group.numel for p in self.placements if p.level is PlacementLevel.HOST_PARAMS), reverse=True)
+        return sum(sizes[:2]) * self.setup.working_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        return (sum(p.bytes.device for p in self.placements) + self.prefetch_buffer_bytes
+                + self.setup.activation_bytes + self.setup.reserved_bytes)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(p.bytes.host for p in self.placements)
+
+    @property
+    def moved_bytes_per_step(self) -> int:
+        return sum(p.bytes.moved_per_step for p in self.placements)
+
+    @property
+    def optimizer_device_bytes(self) -> int:
+        return sum(p.bytes.optimizer_device for p in self.placements)
+
+    @property
+    def optimizer_host_bytes(self) -> int:
+        return sum(p.bytes.optimizer_host for p in self.placements)
+
+    def level_of(self, name: str) -> PlacementLevel:
+        for placement in self.placements:
+            if placement.group.name == name:
+                return placement.level
+        raise KeyError(name)
+
+    def levels(self) -> Dict[str, str]:
+        return {p.group.name: p.level.value for p in self.placements}
+
+    def fits(self) -> bool:
+        return self.budget_bytes is None or self.device_bytes <= self.budget_bytes
+
+
+def place(groups: Sequence[GroupSize], levels: Mapping[str, PlacementLevel], setup: TrainingSetup,
+          budget_bytes: Optional[int] = None) -> OffloadPlan:
+    """The plan for explicitly chosen levels (a group missing from ``levels`` stays on the device)."""
+    plan = OffloadPlan(setup, budget_bytes)
+    for group in groups:
+        level = PlacementLevel(levels.get(group.name, PlacementLevel.DEVICE))
+        if level is PlacementLevel.HOST_PARAMS and not group.is_layer:
+            raise PlanError(f"granular_offload.levels.{group.name}: 'host_params' is for layers only (fetched by "
+                            f"layer hooks); accepted for {group.name!r}: 'device', 'host_optimizer'")
+        plan.placements.append(GroupPlacement(group, level, group_bytes(group.numel, level, setup, group.uses)))
+    return plan
+
+
+def plan_placement(groups: Sequence[GroupSize], setup: TrainingSetup, budget_bytes: int,
+                   max_level: PlacementLevel = PlacementLevel.HOST_PARAMS) -> OffloadPlan:
+    """Fill the device budget, offloading only what does not fit, and move the fewest bytes doing so.
+
+    Greedy: starting from everything on the device, repeatedly take one group one level further from the device,
+    choosing the step that frees the most device bytes per byte it adds to the per-step traffic (ties: the nearer
+    level, then the later layer, so the first layers, needed first in the forward, stay resident). Exact when the layers have the
+    same size, which is the case this plugin serves. Raises :class:`PlanError` saying how much is missing.
+    """
+    allowed = LEVEL_ORDER[: LEVEL_ORDER.index(PlacementLevel(max_level)) + 1]
+    if not setup.supports_host_params and PlacementLevel.HOST_PARAMS in allowed:
+        allowed.remove(PlacementLevel.HOST_PARAMS)
+    levels = {g.name: PlacementLevel.DEVICE for g in groups}
+    plan = place(groups, levels, setup, budget_bytes)
+    while not plan.fits():
+        candidates = []
+        for placement in plan.placements:
+            order = allowed.index(placement.level)
+            if order + 1 >= len(allowed):
+                continue
+            nxt = allowed[order + 1]
+            if nxt is PlacementLevel.HOST_PARAMS and not placement.group.is_layer:
+                continue
+            trial = place(groups, {**levels, placement.group.name: nxt}, setup, budget_bytes)
+            freed = plan.device_bytes - trial.device_bytes
+            added = trial.moved_bytes_per_step - plan.moved_bytes_per_step
+            # A step that frees nothing by itself (the first host_params layer pays for the prefetch buffer)
+            # is taken only when no step frees anything, so that later ones can.
+            key = (freed > 0, freed / max(added, 1) if freed > 0 else freed, -order, placement.group.index)
+            candidates.append((key, placement.group.name, nxt, trial))
+        if not candidates:
+            missing = plan.device_bytes - budget_bytes
+            raise PlanError(
+                f"granular_offload: nothing fits the device budget of {format_bytes(budget_bytes)}: with every group "
+                f"at its furthest allowed level ({allowed[-1].value}) the device needs {format_bytes(plan.device_bytes)}, "
+                f"{format_bytes(missing)} ({missing} bytes) missing; raise the budget, the data-parallel size or the "
+                f"ZeRO stage, or lower the activation memory"
+            )
+        _, name, nxt, plan = max(candidates, key=lambda c: c[0])
+        levels[name] = nxt
+    return plan
+
+
+def layer_groups(layer_numels: Sequence[int], other_numel: int, layer_uses: Optional[Sequence[int]] = None
+                 ) -> List[GroupSize]:
+    """Groups named ``layer<i>`` for each layer, plus ``other`` when there are non-layer parameters."""
+    uses = layer_uses or [1] * len(layer_numels)
+    groups = [GroupSize(f"layer{i}", n, i, u) for i, (n, u) in enumerate(zip(layer_numels, uses))]
+    if other_numel:
+        groups.append(GroupSize(OTHER, other_numel))
+    return groups
+
+
+def uniform_groups(num_layers: int, layer_params: int, other_params: int = 0,
+                   shared_groups: Optional[int] = None) -> List[GroupSize]:
+    """Groups of a model of ``num_layers`` equal layers; with ``shared_groups`` G (a pseudo model) only the G group
+    leaders own parameters, each used by L / G layers."""
+    groups_count = shared_groups or num_layers
+    size = num_layers // groups_count
+    groups = [GroupSize(f"layer{g * size}", layer_params, g * size, size) for g in range(groups_count)]
+    if other_params:
+        groups.append(GroupSize(OTHER, other_params))
+    return groups
+
+
+def estimate_activation_bytes(micro_batch: int, seq_len: int, hidden: int, heads: int, num_layers: int,
+                              dtype: str = "bf16", checkpointing: bool = False) -> int:
+    """Activation memory of a GPT-style transformer stack (Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per
+    layer in 16-bit; with full checkpointing only each layer's input s*b*h*2 bytes plus one layer recomputed)."""
+    scale = DTYPE_BYTES[dtype] / 2
+    per_layer = micro_batch * seq_len * hidden * (34 + 5 * heads * seq_len / hidden)
+    if checkpointing:
+        return int(scale * (2 * micro_batch * seq_len * hidden * num_layers + per_layer))
+    return int(scale * per_layer * num_layers)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value) -> int:
+    """``"32GB"`` -> 32e9, ``"32GiB"`` -> 32 * 2**30, an int -> itself."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a byte count like 34359738368, '32GB' or '32GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"expected a byte count >= 0, got {value!r}")
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"expected a byte count like 34359738368, '32GB' or '32GiB', got {value!r}")
+    return int(float(match[1]) * _UNITS[(match[2] or "B").lower()])
+
+
+def format_bytes(count: int) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(count) >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count} B"
+
+
+def describe_plan(plan: OffloadPlan) -> str:
+    """The plan as a table: runs of consecutive groups at the same level collapsed into one row."""
+    s = plan.setup
+    head = (f"granular offload plan: {s.dtype}, ZeRO stage {s.zero_stage}, data-parallel {s.dp_size}, "
+            f"budget {format_bytes(plan.budget_bytes) if plan.budget_bytes is not None else 'none (explicit levels)'}")
+    rows = [("groups", "level", "params each", "device each", "host each", "moved/step each")]
+    runs: List[List[GroupPlacement]] = []
+    for p in plan.placements:
+        if runs and runs[-1][-1].level is p.level and runs[-1][-1].group.numel == p.group.numel \
+                and runs[-1][-1].group.is_layer and p.group.is_layer:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    for run in runs:
+        first, last = run[0], run[-1]
+        name = first.group.name if len(run) == 1 else f"{first.group.name}..{last.group.name} ({len(run)})"
+        b = first.bytes
+        rows.append((name, first.level.value, f"{first.group.numel:,}", format_bytes(b.device),
+                     format_bytes(b.host), format_bytes(b.moved_per_step)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [head] + ["  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows]
+    counts = {lvl.value: sum(p.level is lvl for p in plan.placements) for lvl in LEVEL_ORDER}
+    lines.append(
+        f"groups per level: {counts}; device total {format_bytes(plan.device_bytes)} ({plan.device_bytes} B) "
+        f"(activations {format_bytes(s.activation_bytes)}, reserved {format_bytes(s.reserved_bytes)}, "
+        f"prefetch buffer {format_bytes(plan.prefetch_buffer_bytes)}); host total {format_bytes(plan.host_bytes)}; "
+        f"moved per step {format_bytes(plan.moved_bytes_per_step)}"
+    )
+    return "\n".join(lines)
+

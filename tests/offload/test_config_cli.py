@@ -1,0 +1,83 @@
+"""The granular_offload section's validation and the ``plan`` command's output."""
+import json
+
+import pytest
+
+from ds_pseudo_real.cli import main as cli_main
+from ds_pseudo_real.config import ConfigError
+from ds_pseudo_real.offload.config import explicit_levels, parse_granular_offload, training_setup
+from ds_pseudo_real.offload.planner import PlacementLevel, uniform_groups
+
+
+def test_absent_or_disabled_section_is_none():
+    assert parse_granular_offload({"train_batch_size": 4}) is None
+    assert parse_granular_offload({"granular_offload": {"enabled": False}}) is None
+
+
+def test_budget_units_and_defaults():
+    section = parse_granular_offload({"granular_offload": {"device_memory": "2GiB", "reserved": "1MB"}})
+    assert (section.device_memory, section.reserved, section.max_level) == (2 * 2**30, 10**6, "host_params")
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ({"device_memory": "1GB", "bogus": 1}, "granular_offload.bogus: unknown key (got 1)"),
+    ({"levels": ["device", "on_disk"]}, "granular_offload.levels: Value error, [1] is 'on_disk'; accepted levels: "
+                                        "['device', 'host_optimizer', 'host_params'] (got ['device', 'on_disk'])"),
+    ({"device_memory": "lots"}, "granular_offload.device_memory: Value error, expected a byte count like"),
+    ({}, "give exactly one of device_memory (plan within a budget) or levels"),
+    ({"levels": {"x": "device"}}, "key 'x': accepted keys are layer indices ('0', '1', ...) and 'other'"),
+    ({"device_memory": 1, "max_level": "disk"}, "granular_offload.max_level: Input should be 'device'"),
+])
+def test_errors_name_key_value_and_accepted(raw, expected):
+    with pytest.raises(ConfigError) as info:
+        parse_granular_offload({"granular_offload": raw})
+    assert expected in str(info.value)
+
+
+def test_setup_from_deepspeed_config_and_conflicts():
+    section = parse_granular_offload({"granular_offload": {"device_memory": 10, "activation_bytes": 77}})
+    setup = training_setup({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, section, 8, 4)
+    assert (setup.dtype, setup.zero_stage, setup.dp_size, setup.activation_bytes) == ("bf16", 2, 8, 77)
+    with pytest.raises(ConfigError, match=r"zero_optimization.offload_optimizer: got \{'device': 'cpu'\}"):
+        training_setup({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, section, 1, 4)
+    with pytest.raises(ConfigError, match="zero_optimization.stage: got 3, granular offload accepts 0, 1, 2"):
+        training_setup({"zero_optimization": {"stage": 3}}, section, 1, 4)
+
+
+def test_explicit_levels_list_and_dict():
+    groups = uniform_groups(3, 10, 5)
+    section = parse_granular_offload({"granular_offload": {"levels": {"2": "host_optimizer", "other": "host_optimizer"}}})
+    assert explicit_levels(section, groups) == {"layer2": PlacementLevel.HOST_OPTIMIZER,
+                                                "other": PlacementLevel.HOST_OPTIMIZER}
+    section = parse_granular_offload({"granular_offload": {"levels": ["device", "host_params"]}})
+    with pytest.raises(ConfigError, match="got a list of 2 levels, the model has 3 layers"):
+        explicit_levels(section, groups)
+    section = parse_granular_offload({"granular_offload": {"levels": {"7": "device"}}})
+    with pytest.raises(ConfigError, match=r"got keys \['7'\] not in the model; accepted: layer indices 0..2"):
+        explicit_levels(section, groups)
+
+
+def write_config(tmp_path, section):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 0}, "granular_offload": section}))
+    return str(path)
+
+
+def test_plan_command_prints_the_table(tmp_path, capsys):
+    # 4 layers of 1000 fp32 params at ZeRO 0 need 16000 bytes each on the device, 8000 at host_optimizer
+    config = write_config(tmp_path, {"device_memory": 1, "max_level": "host_optimizer",
+                                     "model": {"num_layers": 4, "layer_params": 1000}})
+    assert cli_main(["plan", "--config", config, "--device-memory", "50000", "--world-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "without offload: device 62.50 KiB per rank (does not fit 48.83 KiB)" in out
+    # 64000 - 50000: two layers must free 8000 each; the later layers go first
+    assert "layer0..layer1 (2)  device          1,000        15.62 KiB    0 B        0 B" in out
+    assert "layer2..layer3 (2)  host_optimizer  1,000        7.81 KiB     11.72 KiB  7.81 KiB" in out
+    assert "device total 46.88 KiB (48000 B)" in out
+
+
+def test_plan_command_says_what_is_missing(tmp_path, capsys):
+    config = write_config(tmp_path, {"device_memory": 1, "max_level": "host_optimizer",
+                                     "model": {"num_layers": 4, "layer_params": 1000}})
+    assert cli_main(["plan", "--config", config, "--device-memory", "30000"]) == 2
+    assert "device needs 31.25 KiB, 1.95 KiB (2000 bytes) missing" in capsys.readouterr().err

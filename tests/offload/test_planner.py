@@ -1,0 +1,99 @@
+"""The byte model and the planner, on plain numbers (no torch, no processes)."""
+import pytest
+
+from ds_pseudo_real.offload.planner import (
+    GroupSize, PlacementLevel as L, PlanError, TrainingSetup, describe_plan, group_bytes, parse_bytes,
+    partition_numel, place, plan_placement, uniform_groups,
+)
+
+FP32_Z0 = TrainingSetup("fp32", 0, 1)
+
+
+def test_group_bytes_fp32_zero0_every_level():
+    # n=1000: params 4000, grads 4000, moments 8000, no separate master (the optimizer steps the model's params)
+    assert group_bytes(1000, L.DEVICE, FP32_Z0) == (16000, 0, 0, 8000, 0)
+    # host master 4000 + moments 8000 on the host; grad D2H 4000 + master H2D 4000 per step
+    assert group_bytes(1000, L.HOST_OPTIMIZER, FP32_Z0) == (8000, 12000, 8000, 0, 12000)
+    # device keeps only grads; moved: grad 4000 + params fetched for forward and backward 2 * 4000
+    assert group_bytes(1000, L.HOST_PARAMS, FP32_Z0) == (4000, 12000, 12000, 0, 12000)
+    # a pseudo layer used by 6 layers is fetched 6 times in each direction of the step
+    assert group_bytes(1000, L.HOST_PARAMS, FP32_Z0, uses=6).moved_per_step == 4000 + 6 * 2 * 4000
+
+
+def test_partition_follows_deepspeed_padding():
+    # ZeRO 1/2 pads each flat group to a multiple of 2 * dp, then splits it dp ways
+    assert partition_numel(1001, TrainingSetup("fp32", 2, 4)) == 252
+    assert partition_numel(1000, TrainingSetup("fp32", 1, 2)) == 500
+    assert partition_numel(1001, TrainingSetup("fp32", 1, 1)) == 1002
+    assert partition_numel(1001, TrainingSetup("bf16", 0, 1)) == 1002  # bf16 optimizer: flat fp32 partition too
+    assert partition_numel(1001, FP32_Z0) == 1001
+
+
+def test_group_bytes_bf16_zero2_dp4():
+    setup = TrainingSetup("bf16", 2, 4)
+    # m=252: params 1001*2, grads 252*2, DeepSpeed fp32 partition 4*252, moments 8*252
+    assert group_bytes(1001, L.DEVICE, setup) == (2002 + 504 + 1008 + 2016, 0, 0, 2016, 0)
+    assert group_bytes(1001, L.HOST_OPTIMIZER, setup) == (2002 + 504 + 1008, 1008 + 2016, 2016, 0, 3024)
+    with pytest.raises(PlanError, match="host_params.*stage 0.*got dtype='bf16', stage=2"):
+        group_bytes(1001, L.HOST_PARAMS, setup)
+
+
+GROUPS = [GroupSize(f"layer{i}", 1000, i) for i in range(4)] + [GroupSize("other", 500)]
+
+
+def test_plan_fills_budget_and_offloads_last_layers_first():
+    assert place(GROUPS, {}, FP32_Z0).device_bytes == 4 * 16000 + 8000
+    plan = plan_placement(GROUPS, FP32_Z0, budget_bytes=50000)
+    assert plan.levels() == {"layer0": "device", "layer1": "host_optimizer", "layer2": "host_optimizer",
+                             "layer3": "host_optimizer", "other": "device"}
+    assert (plan.device_bytes, plan.host_bytes, plan.moved_bytes_per_step) == (48000, 36000, 24000)
+    assert (plan.optimizer_device_bytes, plan.optimizer_host_bytes) == (8000 + 4000, 36000)
+
+
+def test_plan_uses_host_params_when_host_optimizer_is_not_enough():
+    # every group at host_optimizer needs 4*8000 + 4000 = 36000; a host_params layer keeps only its grads (4000)
+    # but the device holds a prefetch buffer of the two largest host_params layers (8000)
+    plan = plan_placement(GROUPS, FP32_Z0, budget_bytes=33000)
+    assert plan.levels() == {"layer0": "host_optimizer", "layer1": "host_params", "layer2": "host_params",
+                             "layer3": "host_params", "other": "host_optimizer"}
+    assert plan.prefetch_buffer_bytes == 8000
+    assert plan.device_bytes == 8000 + 3 * 4000 + 8000 + 4000
+    assert plan.host_bytes == 4 * 12000 + 6000
+    assert plan.moved_bytes_per_step == 8000 + 3 * 12000 + 4000
+    plan = plan_placement(GROUPS, FP32_Z0, budget_bytes=31000)
+    assert plan.level_of("layer0") is L.HOST_PARAMS and plan.device_bytes == 4 * 4000 + 8000 + 4000
+
+
+def test_plan_reports_missing_bytes():
+    setup = TrainingSetup("fp32", 0, 1, activation_bytes=10000)
+    with pytest.raises(PlanError, match=r"device needs .* \(9000 bytes\) missing"):
+        # furthest: 4 layers host_params 4*4000 + buffer 8000 + other host_optimizer 4000 + activations 10000 = 38000
+        plan_placement(GROUPS, setup, budget_bytes=29000)
+
+
+def test_max_level_and_stage_limit_the_levels():
+    with pytest.raises(PlanError, match=r"furthest allowed level \(host_optimizer\)"):
+        plan_placement(GROUPS, FP32_Z0, budget_bytes=31000, max_level=L.HOST_OPTIMIZER)
+    plan = plan_placement(GROUPS, TrainingSetup("fp32", 1, 1), budget_bytes=10**9)
+    assert set(plan.levels().values()) == {"device"}
+
+
+def test_pseudo_model_plans_the_shared_set_once():
+    groups = uniform_groups(num_layers=8, layer_params=1000, other_params=500, shared_groups=2)
+    assert [(g.name, g.numel, g.uses) for g in groups] == [("layer0", 1000, 4), ("layer4", 1000, 4), ("other", 500, 1)]
+    assert place(groups, {}, FP32_Z0).device_bytes == 2 * 16000 + 8000
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("32GB") == 32 * 10**9
+    assert parse_bytes("32GiB") == 32 * 2**30
+    assert parse_bytes("1.5 MiB") == 1572864
+    assert parse_bytes(123) == 123
+    with pytest.raises(ValueError, match="'32 gigs'"):
+        parse_bytes("32 gigs")
+
+
+def test_describe_plan_collapses_runs():
+    text = describe_plan(plan_placement(GROUPS, FP32_Z0, budget_bytes=50000))
+    assert "layer1..layer3 (3)  host_optimizer  1,000" in text
+    assert "groups per level: {'device': 2, 'host_optimizer': 3, 'host_params': 0}" in text
