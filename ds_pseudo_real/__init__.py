@@ -1,0 +1,71 @@
+"""ds_pseudo_real: Pseudo-to-Real (sharing -> delinking) training and granular CPU offload for DeepSpeed.
+
+``initialize`` replaces ``deepspeed.initialize``: the model only has to name its layer list in the config's
+``"pseudo_to_real"`` section.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
+
+from .callbacks import TrainingCallback, TrainingControl, TrainingState
+from .config import ConfigError, PseudoToRealConfig, split_config
+from .sharing import apply_sharing, delink_layers, parameter_count
+
+__version__ = "0.1.0"
+
+
+def initialize(
+    model,
+    config: Union[str, os.PathLike, Mapping[str, Any], None] = None,
+    *,
+    args=None,
+    optimizer: Optional[Callable] = None,
+    model_parameters: Optional[Callable] = None,
+    lr_scheduler: Optional[Callable] = None,
+    training_data=None,
+    collate_fn=None,
+    mpu=None,
+    callbacks: Iterable[TrainingCallback] = (),
+):
+    """Build the pseudo (or, with ``enabled: false``, the real) model's DeepSpeed engine behind a controller.
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like ``deepspeed.initialize``; ``engine``
+    is a :class:`~ds_pseudo_real.controller.PseudoToRealController` that swaps its DeepSpeed engine at the delink,
+    so read the optimizer and scheduler from it (``engine.optimizer``) after the switch. ``optimizer``,
+    ``model_parameters`` and ``lr_scheduler`` must be callables so they can be rebuilt for the real model.
+    ``config`` may also come from ``args.deepspeed_config`` (the launcher's ``--deepspeed_config``).
+    """
+    from .controller import PseudoToRealController
+
+    if config is None:
+        config = getattr(args, "deepspeed_config", None)
+        if config is None:
+            raise ConfigError("no DeepSpeed config: pass config=... or args with --deepspeed_config")
+    ds_config, ptr_config = split_config(config)
+    engine = PseudoToRealController(
+        model,
+        ds_config,
+        ptr_config,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        collate_fn=collate_fn,
+        mpu=mpu,
+        callbacks=callbacks,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+__all__ = [
+    "initialize",
+    "ConfigError",
+    "PseudoToRealConfig",
+    "TrainingCallback",
+    "TrainingControl",
+    "TrainingState",
+    "apply_sharing",
+    "delink_layers",
+    "parameter_count",
+]

@@ -1,0 +1,70 @@
+"""The callback protocol of the engine-owning controller, after Hugging Face's ``TrainerCallback``.
+
+Owns: the training state and control dataclasses and the callback base class. Callbacks decide (set flags on
+``TrainingControl``); the controller acts. Nothing here touches DeepSpeed.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+PSEUDO = "pseudo"
+REAL = "real"
+
+
+@dataclass
+class TrainingState:
+    """What the controller knows about the run; saved in every checkpoint."""
+
+    global_step: int = 0
+    tokens_seen: int = 0
+    stage: str = PSEUDO
+    switch_step: Optional[int] = None
+    last_train_loss: Optional[float] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "TrainingState":
+        return cls(**data)
+
+
+@dataclass
+class TrainingControl:
+    """Flags a callback raises for the controller to act on at the next step boundary."""
+
+    should_delink: bool = False
+
+
+class TrainingCallback:
+    """Override any hook; each gets the live state and control. ``state_dict`` goes into checkpoints."""
+
+    def on_train_begin(self, state: TrainingState, control: TrainingControl) -> None: ...
+
+    def on_step_end(self, state: TrainingState, control: TrainingControl) -> None: ...
+
+    def on_evaluate(self, state: TrainingState, control: TrainingControl, metrics: Dict[str, float]) -> None: ...
+
+    def on_delink(self, state: TrainingState, report: Dict[str, Any]) -> None: ...
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+
+
+@dataclass
+class CallbackList:
+    callbacks: List[TrainingCallback] = field(default_factory=list)
+
+    def fire(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(*args)
+
+    def state_dict(self) -> List[Dict[str, Any]]:
+        return [callback.state_dict() for callback in self.callbacks]
+
+    def load_state_dict(self, states: List[Dict[str, Any]]) -> None:
+        for callback, state in zip(self.callbacks, states):
+            callback.load_state_dict(state)

@@ -1,0 +1,447 @@
+"""The engine-owning controller: a DeepSpeed engine stand-in that runs callbacks and performs the delink.
+
+Owns: the current engine (pseudo, then real), the training state, the callback list, the in-process delink
+(gather full fp32 weights -> destroy -> build the real model -> new engine -> carry steps, LR schedule and the
+optimizer state per policy) and checkpoint save/load across stages. Sharing math lives in ``sharing``, trigger
+and policy math in ``transition``, DeepSpeed internals in ``ds_state``.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import checkpoint as ckpt
+from . import ds_state
+from .callbacks import PSEUDO, REAL, CallbackList, TrainingCallback, TrainingControl, TrainingState
+from .config import ConfigError, OptimizerStatePolicy, PlateauMetric, PseudoToRealConfig
+from .sharing import (
+    apply_sharing,
+    delink_layers,
+    expand_state_dict,
+    get_layer_list,
+    group_leader,
+    layer_index_of,
+    sharing_groups,
+)
+from .transition import StageTransitionCallback, member_moments, rewarmup_factor
+
+CLIENT_KEY = ckpt.CLIENT_KEY
+PLUGIN_SECTIONS = ("pseudo_to_real", "granular_offload")
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def log_rank0(message: str) -> None:
+    if is_rank0():
+        print(f"[ds_pseudo_real] {message}", flush=True)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters are on the meta device (ties kept, buffers real): a building plan."""
+    skeleton = copy.deepcopy(model)
+    replaced: Dict[int, nn.Parameter] = {}
+    for module in skeleton.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+            module._parameters[name] = replaced[id(param)]
+    return skeleton
+
+
+def materialize(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]]) -> nn.Module:
+    """Give the skeleton's parameters real CPU storage (ties kept), filled from ``weights`` when given."""
+    made: Dict[int, nn.Parameter] = {}
+    for module in skeleton.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad)
+            module._parameters[name] = made[id(param)]
+    if weights is not None:
+        names = [name for name, _ in skeleton.named_parameters()]
+        missing = [name for name in names if name not in weights]
+        if missing:
+            raise KeyError(f"no weights for real-model parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        with torch.no_grad():
+            for name, param in skeleton.named_parameters():
+                param.copy_(weights[name])
+    return skeleton
+
+
+def parameter_numel(model: nn.Module) -> int:
+    """Distinct parameter elements; ZeRO-3 partitioned parameters report their full size."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+def _sync_lr_with_scheduler(scheduler, optimizer) -> None:
+    """Set the optimizer's LRs to what ``scheduler`` gives at its current position (after load_state_dict)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+    elif hasattr(scheduler, "last_batch_iteration"):
+        scheduler.step(scheduler.last_batch_iteration)
+
+
+def _copy_lrs(old: List[float], optimizer) -> None:
+    groups = optimizer.param_groups
+    if len(old) == len(groups):
+        values = old
+    elif len(set(old)) == 1:
+        values = old[:1] * len(groups)
+    else:
+        raise RuntimeError(
+            f"cannot carry per-group learning rates across the delink: {len(old)} groups before, {len(groups)} after"
+        )
+    for group, lr in zip(groups, values):
+        group["lr"] = lr
+
+
+class PseudoToRealController:
+    """Use it like a DeepSpeed engine: ``loss = engine(batch); engine.backward(loss); engine.step()``.
+
+    Any attribute not defined here is read from the current DeepSpeed engine, which is replaced at the delink:
+    hold on to the controller, not to ``controller.engine``, ``.optimizer`` or ``.lr_scheduler``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ds_config: Dict[str, Any],
+        ptr_config: PseudoToRealConfig,
+        *,
+        optimizer: Optional[Callable] = None,
+        model_parameters: Optional[Callable[[nn.Module], Iterable]] = None,
+        lr_scheduler: Optional[Callable] = None,
+        training_data=None,
+        collate_fn=None,
+        mpu=None,
+        callbacks: Iterable[TrainingCallback] = (),
+    ):
+        for name, value, what in (
+            ("optimizer", optimizer, "a callable(params) -> torch.optim.Optimizer"),
+            ("model_parameters", model_parameters, "a callable(model) -> parameters or param groups"),
+            ("lr_scheduler", lr_scheduler, "a callable(optimizer) -> scheduler"),
+        ):
+            if value is not None and not callable(value):
+                raise TypeError(
+                    f"{name}: got a {type(value).__name__}; pass None or {what}, so that it can be built again for "
+                    f"the real model at the delink"
+                )
+        self.config = ptr_config
+        self.ds_config = {k: v for k, v in ds_config.items() if k not in PLUGIN_SECTIONS}
+        self.full_ds_config = ds_config
+        self._optimizer_factory = optimizer
+        self._params_fn = model_parameters
+        self._scheduler_factory = lr_scheduler
+        self._mpu = mpu
+        self.layer_path = ptr_config.layers
+        self.num_layers = len(get_layer_list(model, self.layer_path))
+        self.groups = ptr_config.groups if ptr_config.enabled else self.num_layers
+        sharing_groups(self.num_layers, self.groups)  # fails early, naming the key, if groups does not divide L
+        if ptr_config.enabled:
+            apply_sharing(model, self.layer_path, self.groups)
+        self._skeleton = meta_skeleton(model)
+        self.state = TrainingState(stage=PSEUDO if ptr_config.enabled else REAL)
+        self.control = TrainingControl()
+        builtin = [StageTransitionCallback(ptr_config.switch)] if ptr_config.enabled else []
+        self.callbacks = CallbackList(builtin + list(callbacks))
+        plateau = ptr_config.switch.on_plateau
+        self._track_train_loss = ptr_config.enabled and plateau is not None and plateau.metric == PlateauMetric.TRAINING.value
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._loss_count = 0
+        self._lr_factor = 1.0
+        self.last_transition: Optional[Dict[str, Any]] = None
+        self.offload_plan = None
+        self.engine = None
+        self.engine, self.optimizer, self.training_dataloader, self.lr_scheduler = self._initialize(
+            model, training_data, collate_fn
+        )
+        self.callbacks.fire("on_train_begin", self.state, self.control)
+
+    # ---- engine construction -------------------------------------------------------------------------------
+    def _initialize(self, model: nn.Module, training_data=None, collate_fn=None):
+        params = self._params_fn(model) if self._params_fn else [p for p in model.parameters() if p.requires_grad]
+        optimizer = self._optimizer_factory
+        ds_config = self.ds_config
+        if "granular_offload" in self.full_ds_config:
+            from .offload import build_offload_optimizer, describe_plan
+
+            world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+            client, ds_config, plan = build_offload_optimizer(model, self.full_ds_config, self.layer_path, world)
+            if client is not None:
+                optimizer, params = client, None
+                self.offload_plan = plan
+                log_rank0(f"granular offload plan for the {self.state.stage} model:\n{describe_plan(plan)}")
+        engine, opt, loader, scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=params,
+            optimizer=optimizer,
+            lr_scheduler=self._scheduler_factory,
+            training_data=training_data,
+            collate_fn=collate_fn,
+            mpu=self._mpu,
+            config=ds_config,
+        )
+        target = ds_state.basic_optimizer(engine)
+        if target is not None:
+            target.register_step_pre_hook(self._scale_lr)
+            target.register_step_post_hook(self._unscale_lr)
+        return engine, opt, loader, scheduler
+
+    def _scale_lr(self, optimizer, *_):
+        if self._lr_factor != 1.0:
+            for group in optimizer.param_groups:
+                group["lr"] *= self._lr_factor
+
+    def _unscale_lr(self, optimizer, *_):
+        if self._lr_factor != 1.0:
+            for group in optimizer.param_groups:
+                group["lr"] /= self._lr_factor
+
+    def __getattr__(self, name: str):
+        engine = self.__dict__.get("engine")
+        if engine is None:
+            raise AttributeError(name)
+        return getattr(engine, name)
+
+    # ---- the training-loop surface --------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self.engine.module.training:
+            first = next((a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)), None)
+            if first is not None:
+                self.state.tokens_seen += first.numel() * self.engine.dp_world_size
+        return self.engine(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, **kwargs):
+        if self._track_train_loss:
+            value = loss.detach().float()
+            self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+            self._loss_count += 1
+        return self.engine.backward(loss, **kwargs)
+
+    def step(self, **kwargs):
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        if self.state.stage == REAL and self.state.switch_step is not None:
+            self._lr_factor = rewarmup_factor(self.engine.global_steps - self.state.switch_step, self.config.rewarmup_steps)
+        result = self.engine.step(**kwargs)
+        self._lr_factor = 1.0
+        if boundary:
+            self.state.global_step = self.engine.global_steps
+            if self._track_train_loss and self._loss_count:
+                self.state.last_train_loss = float(self._loss_sum) / self._loss_count
+                self._loss_sum, self._loss_count = None, 0
+            self.callbacks.fire("on_step_end", self.state, self.control)
+            self._maybe_delink()
+        return result
+
+    def report_eval(self, metrics: Dict[str, float]) -> None:
+        """Hand evaluation metrics (e.g. ``{"val_loss": 2.1}``) to the callbacks; may delink right away."""
+        self.callbacks.fire("on_evaluate", self.state, self.control, metrics)
+        self._maybe_delink()
+
+    @property
+    def stage(self) -> str:
+        return self.state.stage
+
+    def _maybe_delink(self) -> None:
+        if self.control.should_delink and self.state.stage == PSEUDO:
+            self.control.should_delink = False
+            self.delink()
+
+    # ---- the delink ----------------------------------------------------------------------------------------
+    def _leader_name(self, name: str) -> Tuple[str, int]:
+        """The pseudo-model parameter a real-model parameter starts from, and how many layers shared it."""
+        index = layer_index_of(name, self.layer_path)
+        if index is None:
+            return name, 1
+        leader = group_leader(index, self.num_layers, self.groups)
+        prefix = f"{self.layer_path}.{index}."
+        position = name.index(prefix)
+        return name[:position] + f"{self.layer_path}.{leader}." + name[position + len(prefix):], self.num_layers // self.groups
+
+    def _build_real_engine(self, real_weights: Optional[Dict[str, torch.Tensor]]) -> None:
+        """The real model from the skeleton, with ``real_weights`` (real-model names) or uninitialized storage."""
+        skeleton = copy.deepcopy(self._skeleton)
+        delink_layers(skeleton, self.layer_path)
+        real = materialize(skeleton, real_weights)
+        self.state.stage = REAL
+        self.engine, self.optimizer, _, self.lr_scheduler = self._initialize(real)
+
+    def _release_engine(self) -> None:
+        self.engine.destroy()
+        self.engine = self.optimizer = self.lr_scheduler = None
+        gc.collect()
+
+    def delink(self) -> Dict[str, Any]:
+        """Turn the pseudo engine into the real one, in process; returns (and logs) what was done."""
+        if self.state.stage != PSEUDO:
+            raise RuntimeError(f"delink() called in the {self.state.stage} stage")
+        start = time.perf_counter()
+        old = self.engine
+        policy = self.config.optimizer_state
+        pseudo_numel = parameter_numel(old.module)
+        pseudo_memory = ds_state.memory_report(old)
+        pseudo_plan = self.offload_plan
+        weights, moments = ds_state.gather_full_state(old, with_moments=policy != OptimizerStatePolicy.RESET.value)
+        counters = ds_state.step_counters(old)
+        lrs = [g["lr"] for g in old.optimizer.param_groups]
+        scheduler_state = old.lr_scheduler.state_dict() if old.lr_scheduler is not None else None
+        steps = {k: getattr(old, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
+        del old
+        self._release_engine()
+        self._build_real_engine(expand_state_dict(weights, self.layer_path, self.num_layers, self.groups))
+        engine = self.engine
+        for key, value in steps.items():
+            setattr(engine, key, value)
+        if scheduler_state is not None and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(scheduler_state)
+        _copy_lrs(lrs, engine.optimizer)
+        carried = 0
+        if moments:
+            ds_state.seed_optimizer_state(engine, counters)
+            for name, param in engine.module.named_parameters():
+                source, members = self._leader_name(name)
+                if source in moments:
+                    ds_state.set_full_moments(engine, param, member_moments(policy, moments[source], members))
+                    carried += 1
+        self.state.switch_step = self.engine.global_steps
+        report = {
+            "step": self.engine.global_steps,
+            "seconds": round(time.perf_counter() - start, 3),
+            "parameters_before": pseudo_numel,
+            "parameters_after": parameter_numel(engine.module),
+            "optimizer_state": policy,
+            "moments_carried": carried,
+            "memory_before": pseudo_memory,
+            "memory_after": ds_state.memory_report(engine),
+            "rewarmup_steps": self.config.rewarmup_steps,
+        }
+        if pseudo_plan is not None or self.offload_plan is not None:
+            report["offload_plan_before"] = pseudo_plan
+            report["offload_plan_after"] = self.offload_plan
+        self.last_transition = report
+        self._log_transition(report)
+        self.callbacks.fire("on_delink", self.state, report)
+        return report
+
+    def _log_transition(self, report: Dict[str, Any]) -> None:
+        mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+        log_rank0(
+            f"delinked at step {report['step']} in {report['seconds']:.2f}s: parameters {report['parameters_before']:,}"
+            f" -> {report['parameters_after']:,}; optimizer state '{report['optimizer_state']}'"
+            f" ({report['moments_carried']} tensors carried); LR re-warmup {report['rewarmup_steps']} steps"
+        )
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        for when in ("before", "after"):
+            mem = report[f"memory_{when}"]
+            print(
+                f"[ds_pseudo_real] rank {rank} memory {'pseudo' if when == 'before' else 'real'}: "
+                + ", ".join(f"{k} {mib(v)}" for k, v in mem.items()),
+                flush=True,
+            )
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def _plugin_state(self) -> Dict[str, Any]:
+        return {"state": self.state.to_dict(), "callbacks": self.callbacks.state_dict()}
+
+    def _sidecar(self, kind: str = "deepspeed") -> Dict[str, Any]:
+        return {
+            "format": 1,
+            "kind": kind,
+            "stage": self.state.stage,
+            "global_step": self.engine.global_steps,
+            "layers": self.layer_path,
+            "num_layers": self.num_layers,
+            "groups": self.groups,
+            "zero_stage": self.engine.zero_optimization_stage(),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        }
+
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict] = None) -> str:
+        """Write a checkpoint atomically: ``<tag>.partial`` by every rank, then renamed to ``<tag>`` + ``latest``."""
+        tag = tag or f"global_step{self.engine.global_steps}"
+        client = dict(client_state or {})
+        client[CLIENT_KEY] = self._plugin_state()
+        if is_rank0():
+            os.makedirs(save_dir, exist_ok=True)
+        _barrier()
+        self.engine.save_checkpoint(save_dir, tag=ckpt.partial_tag(tag), client_state=client, save_latest=False)
+        _barrier()
+        if is_rank0():
+            ckpt.publish(save_dir, tag, self._sidecar())
+        _barrier()
+        return os.path.join(save_dir, tag)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, **kwargs) -> Tuple[Optional[str], Dict]:
+        """Load a checkpoint of either stage (or a converted one); becomes real first when it is a real one."""
+        tag = tag or ckpt.latest_tag(load_dir)
+        if tag is None:
+            return None, {}
+        side = ckpt.read_sidecar(load_dir, tag)
+        if side["num_layers"] != self.num_layers or side["layers"] != self.layer_path:
+            raise ConfigError(
+                f"checkpoint {load_dir}/{tag} has {side['num_layers']} layers at {side['layers']!r}; "
+                f"this model has {self.num_layers} at {self.layer_path!r}"
+            )
+        if side["stage"] == PSEUDO and self.state.stage == REAL:
+            raise ConfigError(
+                f"checkpoint {load_dir}/{tag} is a pseudo-stage checkpoint but this run is in the real stage "
+                f"(pseudo_to_real.enabled is false?); convert it with `ds-pseudo-real convert`"
+            )
+        if side["kind"] == "converted":
+            return self._load_converted(load_dir, tag, side)
+        if side["stage"] == PSEUDO and side["groups"] != self.groups:
+            raise ConfigError(f"checkpoint {load_dir}/{tag} has pseudo_to_real.groups={side['groups']}, config has {self.groups}")
+        if side["stage"] == REAL and self.state.stage == PSEUDO:
+            self._release_engine()
+            self._build_real_engine(None)
+        path, client = self.engine.load_checkpoint(load_dir, tag, **kwargs)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {load_dir}/{tag}")
+        client = dict(client or {})
+        self._restore_plugin_state(client.pop(CLIENT_KEY))
+        log_rank0(f"resumed from {path} at step {self.engine.global_steps} ({self.state.stage} stage)")
+        return path, client
+
+    def _restore_plugin_state(self, plugin: Dict[str, Any]) -> None:
+        self.state = TrainingState.from_dict(plugin["state"])
+        self.callbacks.load_state_dict(plugin["callbacks"])
+
+    def _load_converted(self, load_dir: str, tag: str, side: Dict[str, Any]) -> Tuple[str, Dict]:
+        folder = os.path.join(load_dir, tag)
+        weights = torch.load(os.path.join(folder, "model_fp32.pt"), map_location="cpu", weights_only=True)
+        trainer = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        self._release_engine()
+        self._build_real_engine(weights)
+        for key in ("global_steps", "global_samples", "skipped_steps"):
+            setattr(self.engine, key, trainer[key])
+        self.engine.micro_steps = trainer["global_steps"] * self.engine.gradient_accumulation_steps()
+        if trainer.get("lr_scheduler") is not None and self.engine.lr_scheduler is not None:
+            self.engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
+            _sync_lr_with_scheduler(self.engine.lr_scheduler, self.engine.optimizer)
+        client = dict(trainer.get("client_state") or {})
+        plugin = client.pop(CLIENT_KEY, None)
+        if plugin is not None:
+            self._restore_plugin_state(plugin)
+        self.state.stage = REAL
+        self.state.switch_step = self.state.switch_step or self.engine.global_steps
+        log_rank0(f"loaded converted real-stage checkpoint {folder} at step {self.engine.global_steps}; Adam moments start at zero")
+        return folder, client

@@ -1,0 +1,92 @@
+"""Offline pseudo -> real checkpoint conversion: ``ds-pseudo-real convert --input DIR --output DIR``.
+
+Owns: consolidating a pseudo-stage DeepSpeed checkpoint of any ZeRO stage and rank count into full fp32 weights
+(DeepSpeed's own ``zero_to_fp32`` reader), expanding them to the real model's keys, and writing a "converted"
+checkpoint that ``load_checkpoint`` of a real-stage run on any number of ranks or ZeRO stage accepts. Carries
+the weights, the step counters, the LR schedule position and the plugin state; Adam moments start at zero
+(the sharded optimizer layout depends on the rank count; in-process delinks carry them).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from . import checkpoint as ckpt
+from .callbacks import PSEUDO, REAL
+from .sharing import expand_state_dict
+
+CLIENT_KEY = ckpt.CLIENT_KEY
+
+
+def _model_states_file(folder: Path) -> Path:
+    files = sorted(glob.glob(str(folder / "*mp_rank_00_model_states.pt")))
+    if not files:
+        raise FileNotFoundError(f"no DeepSpeed model-states file in {folder}")
+    return Path(files[0])
+
+
+def consolidated_fp32_weights(folder: Path, zero_stage: int, model_states: Dict) -> Dict[str, torch.Tensor]:
+    """Full fp32 weights of the unique parameters saved in a DeepSpeed checkpoint folder."""
+    if zero_stage == 0:
+        return {k: v.float() for k, v in model_states["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+    return {k: v.float() for k, v in state.items()}
+
+
+def convert(input_dir: str, output_dir: str, tag: Optional[str] = None) -> Path:
+    """Write a real-stage "converted" checkpoint of the pseudo checkpoint ``input_dir/tag`` (default: latest)."""
+    tag = tag or ckpt.latest_tag(input_dir)
+    if tag is None:
+        raise FileNotFoundError(f"{input_dir} has no complete checkpoint (no 'latest' pointing at one)")
+    side = ckpt.read_sidecar(input_dir, tag)
+    if side["stage"] != PSEUDO:
+        raise ValueError(f"{input_dir}/{tag} is a {side['stage']}-stage checkpoint; only pseudo-stage ones need converting")
+    folder = Path(input_dir) / tag
+    model_states = torch.load(_model_states_file(folder), map_location="cpu", weights_only=False)
+    weights = consolidated_fp32_weights(folder, side["zero_stage"], model_states)
+    real = expand_state_dict(weights, side["layers"], side["num_layers"], side["groups"], clone=True)
+    plugin = model_states.get(CLIENT_KEY)
+    if plugin is not None:
+        plugin = {"state": dict(plugin["state"], stage=REAL, switch_step=model_states["global_steps"]), "callbacks": plugin["callbacks"]}
+    trainer = {
+        "global_steps": model_states["global_steps"],
+        "global_samples": model_states.get("global_samples", 0),
+        "skipped_steps": model_states.get("skipped_steps", 0),
+        "lr_scheduler": model_states.get("lr_scheduler"),
+        "client_state": {CLIENT_KEY: plugin} if plugin is not None else {},
+    }
+    staged = Path(output_dir) / ckpt.partial_tag(tag)
+    staged.mkdir(parents=True, exist_ok=True)
+    torch.save(real, staged / "model_fp32.pt")
+    torch.save(trainer, staged / "trainer_state.pt")
+    sidecar = dict(side, kind="converted", stage=REAL, converted_from=str(folder))
+    ckpt.publish(output_dir, tag, sidecar)
+    return Path(output_dir) / tag
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ds-pseudo-real convert",
+        description="Convert a pseudo-stage checkpoint into a real-stage one that loads on any rank count or ZeRO stage.",
+    )
+    parser.add_argument("--input", required=True, help="checkpoint folder of the pseudo stage (holds 'latest')")
+    parser.add_argument("--output", required=True, help="folder to write the real-stage checkpoint into")
+    parser.add_argument("--tag", default=None, help="checkpoint tag to convert (default: the one 'latest' names)")
+    args = parser.parse_args(argv)
+    if os.path.abspath(args.input) == os.path.abspath(args.output):
+        parser.error("--output must differ from --input")
+    out = convert(args.input, args.output, args.tag)
+    print(f"wrote real-stage checkpoint {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

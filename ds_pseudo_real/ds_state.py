@@ -1,0 +1,177 @@
+"""Reading and writing a DeepSpeed engine's full fp32 weights and Adam state, for every ZeRO stage.
+
+Owns every use of DeepSpeed internals by the plugin (written against DeepSpeed 0.19.8): ``safe_get/set_full_*``
+for ZeRO 1-3 and the bf16 optimizer, direct access for the plain fp32 optimizer of ZeRO stage 0, seeding the
+lazily created optimizer state so moments can be set before the first step, and the per-rank byte accounting.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+import torch
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_optimizer_state,
+)
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def basic_optimizer(engine) -> Optional[torch.optim.Optimizer]:
+    """The torch optimizer that holds the state: ZeRO and the bf16 optimizer wrap it as ``.optimizer``."""
+    optimizer = engine.optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def _is_managed(param: torch.nn.Parameter) -> bool:
+    """True when DeepSpeed maps ``param`` onto flat fp32 partitions (ZeRO 1-3, bf16 optimizer): use safe_*."""
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+
+
+def _master(engine, param: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor the optimizer steps for an unmanaged ``param``: itself, or the fp32 copy kept by the
+    stage-0 mixed-precision optimizers (``fp16_groups``/``fp32_groups`` in parallel lists)."""
+    optimizer = engine.optimizer
+    low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
+    if low is None or high is None:
+        return param
+    for low_group, high_group in zip(low, high):
+        for low_param, high_param in zip(low_group, high_group):
+            if low_param is param:
+                return high_param
+    return param
+
+
+def _stepped_tensors(engine):
+    """(group index, tensor) for every tensor whose optimizer state exists. ZeRO-3 keeps its flat fp32
+    sub-groups outside ``param_groups`` between steps, so they are listed from the ZeRO optimizer."""
+    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
+    if flats is not None:
+        groups = getattr(engine.optimizer, "sub_group_to_group_id", {})
+        return [(groups.get(i, 0), t) for i, t in enumerate(flats)]
+    optimizer = basic_optimizer(engine)
+    return [(i, t) for i, g in enumerate(optimizer.param_groups) for t in g["params"]]
+
+
+def full_fp32_param(engine, param: torch.nn.Parameter) -> torch.Tensor:
+    """The full fp32 value of ``param`` on the CPU. A collective under ZeRO-3: call on every rank, same order."""
+    value = safe_get_full_fp32_param(param) if _is_managed(param) else _master(engine, param)
+    return value.detach().float().cpu().clone()
+
+
+def full_moments(engine, param: torch.nn.Parameter) -> Optional[Dict[str, torch.Tensor]]:
+    """``exp_avg``/``exp_avg_sq`` of ``param`` (full, fp32, CPU), or None before the first optimizer step."""
+    if _is_managed(param):
+        try:
+            values = {k: safe_get_full_optimizer_state(param, k) for k in MOMENT_KEYS}
+        except KeyError:
+            return None
+        if any(v is None for v in values.values()):
+            return None
+        return {k: v.detach().float().cpu().clone() for k, v in values.items()}
+    state = basic_optimizer(engine).state.get(_master(engine, param), {})
+    if not all(k in state for k in MOMENT_KEYS):
+        return None
+    return {k: state[k].detach().float().cpu().clone() for k in MOMENT_KEYS}
+
+
+def step_counters(engine) -> Dict[str, Any]:
+    """The optimizer's step counters, in whatever form its class keeps them (per state entry and/or per group)."""
+    optimizer = basic_optimizer(engine)
+    state_step = next((s["step"] for s in optimizer.state.values() if "step" in s), None)
+    return {
+        "state_step": copy.deepcopy(state_step),
+        "group_steps": [copy.deepcopy(g.get("step")) for g in optimizer.param_groups],
+    }
+
+
+def seed_optimizer_state(engine, counters: Dict[str, Any]) -> None:
+    """Create zero moments and the given step counters for every tensor the optimizer steps.
+
+    Optimizers create their state lazily at the first step, and DeepSpeed links its per-parameter views of the
+    flat fp32 partitions to that state only then; seeding first makes the moments settable before any step.
+    """
+    optimizer = basic_optimizer(engine)
+    group_steps = counters["group_steps"]
+    for index, group in enumerate(optimizer.param_groups):
+        step = group_steps[index] if index < len(group_steps) else group_steps[-1] if group_steps else None
+        if step is not None:
+            group["step"] = copy.deepcopy(step)
+    for _, tensor in _stepped_tensors(engine):
+        state = optimizer.state[tensor]
+        for key in MOMENT_KEYS:
+            state[key] = torch.zeros_like(tensor, dtype=torch.float32)
+        if counters["state_step"] is not None:
+            state["step"] = copy.deepcopy(counters["state_step"])
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        # ZeRO-1/2 and the bf16 optimizer map each parameter's fragment onto the flat state only once.
+        engine.optimizer._hp_optimizer_states_linked = False
+        link()
+
+
+def set_full_moments(engine, param: torch.nn.Parameter, moments: Dict[str, torch.Tensor]) -> None:
+    """Write full fp32 ``moments`` of ``param`` (after :func:`seed_optimizer_state`)."""
+    if _is_managed(param):
+        for key in MOMENT_KEYS:
+            safe_set_full_optimizer_state(param, moments[key].to(param.device), key)
+        return
+    state = basic_optimizer(engine).state[_master(engine, param)]
+    for key in MOMENT_KEYS:
+        state[key].copy_(moments[key])
+
+
+def _local_numel(param: torch.nn.Parameter) -> int:
+    """Elements this rank stores for ``param`` (its ZeRO-3 partition, or all of it)."""
+    partition = getattr(param, "ds_tensor", None)
+    return partition.numel() if partition is not None else param.numel()
+
+
+def memory_report(engine) -> Dict[str, int]:
+    """Bytes this rank holds: working parameters, gradients, fp32 masters and optimizer state.
+
+    Parameters, masters and optimizer state are read off the tensors; gradients are what the ZeRO stage keeps
+    between backward and step (full for stages 0-1, this rank's partition for 2-3), in the gradient dtype.
+    """
+    params = _unique(engine.module.parameters())
+    param_bytes = sum(_local_numel(p) * p.element_size() for p in params)
+    optimizer = basic_optimizer(engine)
+    master_tensors = [t for _, t in _stepped_tensors(engine)]
+    module_ids = {id(p) for p in params}
+    master_bytes = sum(t.numel() * t.element_size() for t in master_tensors if id(t) not in module_ids)
+    state_bytes = sum(
+        v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
+    )
+    stage = engine.zero_optimization_stage()
+    grad_elements = sum(t.numel() for t in master_tensors) if stage >= 2 else sum(p.numel() for p in params)
+    grad_size = 4 if stage >= 1 or not params else params[0].element_size()
+    return {
+        "parameters": param_bytes,
+        "gradients": grad_elements * grad_size,
+        "fp32_master": master_bytes,
+        "optimizer_state": state_bytes,
+    }
+
+
+def _unique(params: Iterable[torch.nn.Parameter]):
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def gather_full_state(engine, with_moments: bool) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
+    """Full fp32 weights (and moments) of every unique parameter, by ``named_parameters`` name."""
+    weights, moments = {}, {}
+    for name, param in engine.module.named_parameters():
+        weights[name] = full_fp32_param(engine, param)
+        if with_moments:
+            value = full_moments(engine, param)
+            if value is not None:
+                moments[name] = value
+    return weights, moments

@@ -1,0 +1,170 @@
+"""The main job: a byte-level GPT on the Python standard library's sources, pseudo stage -> delink -> real stage.
+
+Started by the deepspeed launcher (``deepspeed launch/train.py --deepspeed_config configs/tiny_cpu.json``),
+torchrun, srun, or ``ds-pseudo-real train``. Resumes from ``<output-dir>/checkpoints`` when a checkpoint is there;
+on SIGUSR1/SIGTERM it saves a checkpoint at the next step boundary and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+import ds_pseudo_real
+from ds_pseudo_real.config import load_ds_config
+from ds_pseudo_real.data import ByteCorpus
+from ds_pseudo_real.models import GPT, GPTConfig
+from ds_pseudo_real.report import MetricsLog, plot_history, read_records
+
+DEFAULT_STEPS = 600
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                        help="set by the deepspeed launcher")
+    deepspeed.add_config_arguments(parser)
+    parser.add_argument("--output-dir", default=None, help="run folder (default: runs/<config name>)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"optimizer steps (default: the scheduler's total_num_steps, else {DEFAULT_STEPS})")
+    parser.add_argument("--eval-interval", type=int, default=50, help="steps between validation evaluations")
+    parser.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
+    parser.add_argument("--log-interval", type=int, default=10, help="steps between progress lines")
+    parser.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: at the end only)")
+    parser.add_argument("--no-resume", action="store_true", help="start over even if a checkpoint exists")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--corpus-bytes", type=int, default=8 << 20, help="bytes of training text to load")
+    args = parser.parse_args(argv)
+    if not args.deepspeed_config:
+        parser.error("--deepspeed_config is required (e.g. configs/tiny_cpu.json)")
+    for flag in ("steps", "eval_interval", "eval_batches", "log_interval", "n_layer", "d_model", "n_head", "seq_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.d_model % args.n_head:
+        parser.error(f"--d-model ({args.d_model}) must be divisible by --n-head ({args.n_head})")
+    return args
+
+
+class StopOnSignal:
+    """Turns SIGUSR1/SIGTERM into a flag checked at step boundaries (all ranks agree through an all-reduce)."""
+
+    def __init__(self):
+        self.received: Optional[str] = None
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame):
+        self.received = signal.Signals(signum).name
+
+
+def default_steps(ds_config: dict) -> int:
+    params = ds_config.get("scheduler", {}).get("params", {})
+    return int(params.get("total_num_steps", DEFAULT_STEPS))
+
+
+@torch.no_grad()
+def evaluate(engine, corpus: ByteCorpus, args, batch_size: int, rank: int, world: int) -> float:
+    engine.eval()
+    total = torch.zeros(1)
+    for i in range(args.eval_batches):
+        x, y = corpus.batch("val", batch_size, args.seq_len, seed=1234, step=i, rank=rank)
+        total += engine(x.to(engine.device), y.to(engine.device)).float().cpu()
+    engine.train()
+    if world > 1:
+        dist.all_reduce(total)
+    return total.item() / (args.eval_batches * world)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    print(f"rank {rank}/{world} started on {os.uname().nodename}", flush=True)
+    ds_config = load_ds_config(args.deepspeed_config)
+    steps = args.steps or default_steps(ds_config)
+    out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
+    ckpt_dir = out / "checkpoints"
+
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head))
+    engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=ds_config)
+    stopper = StopOnSignal()
+    if not args.no_resume:
+        engine.load_checkpoint(str(ckpt_dir))
+    start_step = engine.global_steps
+    corpus = ByteCorpus(max_bytes=args.corpus_bytes)
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    tokens_per_step = micro * gas * args.seq_len * world
+    log = MetricsLog(out / "metrics.jsonl", resume_step=start_step) if rank == 0 else None
+    if rank == 0:
+        print(f"training {steps} steps from step {start_step}: {tokens_per_step} tokens/step, stage {engine.stage}, "
+              f"{ds_pseudo_real.parameter_count(engine.module):,} parameters, output {out}", flush=True)
+
+    seen_transition = engine.last_transition
+    window_start, window_steps = time.perf_counter(), 0
+    while engine.global_steps < steps:
+        step = engine.global_steps
+        stage = engine.stage
+        loss_sum = torch.zeros(2)
+        for m in range(gas):
+            x, y = corpus.batch("train", micro, args.seq_len, args.seed, step * gas + m, rank)
+            loss = engine(x.to(engine.device), y.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            loss_sum[0] += loss.detach().float().cpu()
+        loss_sum[1] = 1.0 if stopper.received else 0.0
+        if world > 1:
+            dist.all_reduce(loss_sum)
+        train_loss = loss_sum[0].item() / (gas * world)
+        done = engine.global_steps
+        window_steps += 1
+        record = {"step": done, "stage": stage, "train_loss": round(train_loss, 5),
+                  "lr": engine.optimizer.param_groups[0]["lr"], "tokens": done * tokens_per_step}
+        if engine.last_transition is not seen_transition:
+            seen_transition = engine.last_transition
+            if log:
+                event = {k: v for k, v in seen_transition.items() if not k.startswith("offload_plan")}
+                log.write({"event": "delink", **event})
+        if done % args.eval_interval == 0 or done == steps:
+            record["val_loss"] = round(evaluate(engine, corpus, args, micro, rank, world), 5)
+            engine.report_eval({"val_loss": record["val_loss"]})
+        if log:
+            log.write(record)
+        if rank == 0 and (done % args.log_interval == 0 or "val_loss" in record or done == steps):
+            elapsed = time.perf_counter() - window_start
+            rate = window_steps * tokens_per_step / max(elapsed, 1e-9)
+            val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+            print(f"step {done}/{steps} | stage {stage} | loss {train_loss:.4f}{val} | {rate:,.0f} tokens/s | "
+                  f"lr {record['lr']:.2e}", flush=True)
+            window_start, window_steps = time.perf_counter(), 0
+        if args.save_interval and done % args.save_interval == 0 and done < steps:
+            engine.save_checkpoint(str(ckpt_dir))
+        if loss_sum[1].item() > 0:
+            engine.save_checkpoint(str(ckpt_dir))
+            print(f"saved checkpoint at step {done} on signal {stopper.received or 'from another rank'}", flush=True)
+            return 0
+
+    if engine.global_steps > start_step or not ckpt_dir.exists():
+        engine.save_checkpoint(str(ckpt_dir))
+    if rank == 0:
+        plot_history(read_records(out / "metrics.jsonl"), out / "loss.png", title=f"{Path(args.deepspeed_config).name}")
+        print(f"wrote {out / 'metrics.jsonl'} and {out / 'loss.png'}", flush=True)
+    print(f"rank {rank} finished at step {engine.global_steps} stage {engine.stage}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
