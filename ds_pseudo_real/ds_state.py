@@ -67,7 +67,7 @@ def full_moments(engine, param: torch.nn.Parameter) -> Optional[Dict[str, torch.
     if _is_managed(param):
         try:
             values = {k: safe_get_full_optimizer_state(param, k) for k in MOMENT_KEYS}
-        except KeyError:
+        except (KeyError, TypeError):  # no state yet: DeepSpeed links fragments at the first step
             return None
         if any(v is None for v in values.values()):
             return None

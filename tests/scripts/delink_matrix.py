@@ -1,0 +1,115 @@
+"""Delink on every ZeRO stage and dtype: loss on a fixed batch right before and after, moments carried, Adam
+step counter. Imported by the single-rank test; run under torchrun for 2 ranks (prints JSON lines on rank 0)."""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import ds_pseudo_real
+from ds_pseudo_real import ds_state
+from ds_pseudo_real.callbacks import TrainingCallback
+from ds_pseudo_real.models import GPT, GPTConfig
+
+SWITCH = 3
+PROBE = "layers.{}.fc.weight"
+
+
+def config(stage, dtype, policy, switch=SWITCH):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "pseudo_to_real": {"layers": "layers", "groups": 1, "switch": {"at_step": switch}, "optimizer_state": policy},
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def tiny_gpt(seed=0, layers=4):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(n_layer=layers, d_model=32, n_head=2, seq_len=16))
+
+
+def fixed_batch(seed):
+    x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(seed))
+    return x, x.roll(-1, 1)
+
+
+def eval_loss(engine, batch):
+    engine.eval()
+    with torch.no_grad():
+        loss = engine(*batch).float().item()
+    engine.train()
+    return loss
+
+
+class BeforeDelink(TrainingCallback):
+    """Runs after the trigger fired and before the controller delinks: the pseudo engine is still live."""
+
+    def __init__(self, engine_ref, probe_batch):
+        self.engine_ref, self.batch, self.seen = engine_ref, probe_batch, {}
+
+    def on_step_end(self, state, control):
+        if control.should_delink:
+            engine = self.engine_ref[0]
+            self.seen["loss"] = eval_loss(engine, self.batch)
+            param = dict(engine.module.named_parameters())[PROBE.format(0)]
+            self.seen["moments"] = ds_state.full_moments(engine.engine, param)
+            step = ds_state.step_counters(engine.engine)["state_step"]
+            self.seen["adam_step"] = None if step is None else float(step)
+
+
+def run_case(stage, dtype, policy):
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    probe = fixed_batch(99)
+    ref = [None]
+    before = BeforeDelink(ref, probe)
+    engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(stage, dtype, policy), callbacks=[before])
+    ref[0] = engine
+    train = fixed_batch(1 + rank)
+    losses = []
+    for _ in range(SWITCH + 3):
+        loss = engine(*train)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.float().item())
+        if engine.global_steps == SWITCH:
+            post = eval_loss(engine, probe)
+            last = dict(engine.module.named_parameters())[PROBE.format(3)]
+            moments = ds_state.full_moments(engine.engine, last)
+            step = ds_state.step_counters(engine.engine)["state_step"]
+            expected = before.seen["moments"]
+            if policy == "scale":
+                expected = {"exp_avg": expected["exp_avg"] / 4, "exp_avg_sq": expected["exp_avg_sq"] / 16}
+            moments_ok = (moments is None) if policy == "reset" else all(
+                torch.equal(moments[k], expected[k]) for k in expected
+            )
+    result = {
+        "stage": stage, "dtype": dtype, "policy": policy, "pre": before.seen["loss"], "post": post,
+        "moments_ok": moments_ok, "adam_step": None if step is None else float(step), "pseudo_adam_step": before.seen["adam_step"],
+        "global_steps": engine.global_steps, "final_stage": engine.stage, "losses": losses,
+        "params_after": ds_pseudo_real.controller.parameter_numel(engine.module),
+    }
+    engine.engine.destroy()
+    return result
+
+
+def matrix():
+    return [(s, d, p) for s in (0, 1, 2, 3) for d in ("fp32", "bf16") for p in (("copy",) if d == "bf16" else ("copy", "scale"))]
+
+
+if __name__ == "__main__":
+    import deepspeed
+
+    deepspeed.init_distributed()
+    import ds_pseudo_real.controller  # noqa: F401
+
+    for case in matrix():
+        out = run_case(*case)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(out), flush=True)
+    sys.exit(0)

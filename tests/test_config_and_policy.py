@@ -1,0 +1,107 @@
+"""The pseudo_to_real config section and the pure transition logic (triggers, moment policies, re-warmup)."""
+import pytest
+import torch
+
+from ds_pseudo_real.callbacks import TrainingControl, TrainingState
+from ds_pseudo_real.config import ConfigError, SwitchTrigger, parse_pseudo_to_real
+from ds_pseudo_real.transition import StageTransitionCallback, member_moments, plateaued, rewarmup_factor
+
+
+def parse(section):
+    return parse_pseudo_to_real({"pseudo_to_real": section})
+
+
+def test_defaults_and_absent_section():
+    cfg = parse({"layers": "transformer.h", "switch": {"at_tokens": 1000}})
+    assert (cfg.enabled, cfg.groups, cfg.optimizer_state, cfg.rewarmup_steps) == (True, 1, "copy", 0)
+    assert cfg.switch.at_tokens == 1000
+    assert parse_pseudo_to_real({}).enabled is False
+
+
+@pytest.mark.parametrize(
+    "section, expected",
+    [
+        ({"grups": 2}, r"pseudo_to_real.grups: unknown key \(got 2\)"),
+        ({"groups": 0}, r"pseudo_to_real.groups: Input should be greater than or equal to 1 \(got 0\)"),
+        ({"optimizer_state": "keep"}, r"pseudo_to_real.optimizer_state: Input should be 'copy', 'reset' or 'scale' \(got 'keep'\)"),
+        ({"switch": {"at_step": 5, "at_tokens": 9}}, r"pseudo_to_real.switch: .*exactly one of at_step, at_tokens, on_plateau"),
+        ({"switch": {"on_plateau": {"metric": "loss"}}}, r"pseudo_to_real.switch.on_plateau.metric: .*'val_loss' or 'train_loss'"),
+        ({"rewarmup_steps": -1}, r"pseudo_to_real.rewarmup_steps: .*greater than or equal to 0 \(got -1\)"),
+    ],
+)
+def test_bad_values_name_key_value_and_accepted(section, expected):
+    with pytest.raises(ConfigError, match=expected):
+        parse(section)
+
+
+def test_section_must_be_an_object():
+    with pytest.raises(ConfigError, match=r"pseudo_to_real: expected an object, got 3"):
+        parse_pseudo_to_real({"pseudo_to_real": 3})
+
+
+def test_plateau_compares_consecutive_windows():
+    assert not plateaued([3.0, 2.5, 2.0], 2, 0.1)  # not enough values yet
+    assert not plateaued([3.0, 2.8, 2.5, 2.3], 2, 0.1)  # improved by 0.5
+    assert plateaued([2.0, 2.0, 1.99, 1.98], 2, 0.1)  # improved by 0.015
+
+
+def fire(callback, state, steps):
+    control = TrainingControl()
+    fired = None
+    for step in steps:
+        state.global_step = step
+        state.tokens_seen = step * 100
+        callback.on_step_end(state, control)
+        if control.should_delink:
+            fired = step
+            break
+    return fired
+
+
+def test_trigger_at_step_and_at_tokens():
+    assert fire(StageTransitionCallback(SwitchTrigger(at_step=7)), TrainingState(), range(1, 20)) == 7
+    assert fire(StageTransitionCallback(SwitchTrigger(at_tokens=1250)), TrainingState(), range(1, 20)) == 13
+    assert fire(StageTransitionCallback(SwitchTrigger(at_step=7)), TrainingState(stage="real"), range(1, 20)) is None
+
+
+def test_trigger_on_validation_plateau_and_state_round_trip():
+    callback = StageTransitionCallback(SwitchTrigger(on_plateau={"window": 2, "min_improvement": 0.05}))
+    state, control = TrainingState(), TrainingControl()
+    for value in [3.0, 2.5, 2.2, 2.1]:
+        callback.on_evaluate(state, control, {"val_loss": value})
+        assert not control.should_delink
+    restored = StageTransitionCallback(callback.trigger)
+    restored.load_state_dict(callback.state_dict())
+    for value in [2.09, 2.08]:  # last two vs the two before: 2.35 -> 2.095, then 2.15 -> 2.085
+        restored.on_evaluate(state, control, {"val_loss": value})
+        assert not control.should_delink
+    restored.on_evaluate(state, control, {"val_loss": 2.075})  # 2.095 -> 2.0775: improved by 0.0175 < 0.05
+    assert control.should_delink
+
+
+def test_trigger_on_training_loss_plateau_respects_min_steps():
+    callback = StageTransitionCallback(SwitchTrigger(on_plateau={"metric": "train_loss", "window": 2, "min_improvement": 1.0, "min_steps": 6}))
+    state, control, fired = TrainingState(), TrainingControl(), None
+    for step in range(1, 10):
+        state.global_step, state.last_train_loss = step, 3.0 - 0.01 * step
+        callback.on_step_end(state, control)
+        if control.should_delink:
+            fired = step
+            break
+    assert fired == 6
+
+
+def test_moment_policies():
+    moments = {"exp_avg": torch.tensor([4.0, -8.0]), "exp_avg_sq": torch.tensor([16.0, 32.0])}
+    copied = member_moments("copy", moments, 4)
+    assert torch.equal(copied["exp_avg"], moments["exp_avg"]) and copied["exp_avg"] is not moments["exp_avg"]
+    scaled = member_moments("scale", moments, 4)
+    assert torch.equal(scaled["exp_avg"], torch.tensor([1.0, -2.0]))
+    assert torch.equal(scaled["exp_avg_sq"], torch.tensor([1.0, 2.0]))
+    assert member_moments("reset", moments, 4) is None
+    assert torch.equal(member_moments("scale", moments, 1)["exp_avg"], moments["exp_avg"])
+
+
+def test_rewarmup_factor_ramps_linearly_then_stays_at_one():
+    assert [rewarmup_factor(k, 4) for k in range(6)] == [0.2, 0.4, 0.6, 0.8, 1.0, 1.0]
+    assert rewarmup_factor(0, 0) == 1.0
