@@ -1,0 +1,123 @@
+"""The shared-parameter ("pseudo") TransformerBlock for megatron.core: a small subclass, not a fork.
+
+Owns: building a block whose L layers use one parameter set per sharing group, with layers other than each
+group's first built on the meta device (they never allocate weights) and then pointed at the leader's
+Parameters; making GPTModel build this block (``shared_parameter_decoder``); and undoing the sharing in place.
+The grouping and tying themselves are ``ds_pseudo_real.sharing``'s. Written against megatron-core 0.16.1.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Iterator
+
+import torch
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import TransformerBlock
+from torch.overrides import TorchFunctionMode
+
+from ds_pseudo_real import sharing
+
+LAYERS = "layers"
+
+
+class _ExplicitDeviceToMeta(TorchFunctionMode):
+    """Sends allocations that name a device to the meta device too (Megatron passes
+    ``device=torch.cuda.current_device()`` when ``use_cpu_initialization`` is off)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if kwargs.get("device") is not None:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+class _BuildOnMeta:
+    """Spec module that builds the wrapped spec's module with all its tensors on the meta device."""
+
+    def __new__(cls, *args, wrapped: ModuleSpec, **kwargs):
+        with torch.device("meta"), _ExplicitDeviceToMeta():
+            return build_module(wrapped, *args, **kwargs)
+
+
+def _tie_buffers(leader: torch.nn.Module, member: torch.nn.Module) -> None:
+    """Buffers (e.g. a router's expert bias) follow the parameters: the member uses the leader's tensors."""
+    for name, buffer in leader.named_buffers():
+        *parents, leaf = name.split(".")
+        owner = functools.reduce(getattr, parents, member)
+        owner._buffers[leaf] = buffer
+
+
+class SharedParameterTransformerBlock(TransformerBlock):
+    """A TransformerBlock whose layers share parameters in ``groups`` runs of consecutive layers.
+
+    Every layer keeps its own module and ``layer_number`` (1..L), so ``sharded_state_dict`` lists each layer and a
+    dist checkpoint of this block loads straight into a plain TransformerBlock (the real model).
+    """
+
+    def __init__(self, *args, groups: int = 1, **kwargs):
+        object.__setattr__(self, "sharing_groups", groups)  # read by _build_layers, called inside super().__init__
+        super().__init__(*args, **kwargs)
+
+    def _build_layers(self):
+        specs = list(self.submodules.layer_specs)
+        runs = sharing.sharing_groups(len(specs), self.sharing_groups)
+        leaders = {run[0] for run in runs}
+        on_meta = [s if i in leaders else ModuleSpec(module=_BuildOnMeta, params={"wrapped": s}) for i, s in enumerate(specs)]
+        full_submodules = self.submodules
+        self.submodules = dataclasses.replace(full_submodules, layer_specs=on_meta)
+        try:
+            super()._build_layers()
+        finally:
+            self.submodules = full_submodules
+        for run in runs:
+            for i in run[1:]:
+                sharing.tie_parameters(self.layers[run[0]], self.layers[i])
+                _tie_buffers(self.layers[run[0]], self.layers[i])
+        left = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
+        if left:
+            raise RuntimeError(f"shared block: tensors left on the meta device after tying: {left[:5]}")
+
+
+@contextlib.contextmanager
+def shared_parameter_decoder(groups: int = 1) -> Iterator[None]:
+    """While open, GPTModel builds its decoder as a SharedParameterTransformerBlock with ``groups`` groups.
+
+    GPTModel names TransformerBlock directly (gpt_model.py, megatron-core 0.16.1), so the name is swapped there
+    and restored on exit; listed in ``megatron_patches.PATCHES``.
+    """
+    import megatron.core.models.gpt.gpt_model as gpt_model
+
+    original = gpt_model.TransformerBlock
+    gpt_model.TransformerBlock = functools.partial(SharedParameterTransformerBlock, groups=groups)
+    try:
+        yield
+    finally:
+        gpt_model.TransformerBlock = original
+
+
+def delink_block(block: TransformerBlock) -> TransformerBlock:
+    """Give every layer of ``block`` its own copy of the parameters it shares, in place.
+
+    The copies keep Megatron's parameter attributes (tensor_model_parallel, partition_dim, sequence_parallel,
+    allreduce...), which decide how gradients are reduced. Use this on a bare model; a model wrapped in
+    Megatron's DDP must be rebuilt instead (see ``megatron_patches.delink``): its grad hooks hold the old Parameters.
+    """
+    saved = [{n: dict(vars(p)) for n, p in layer.named_parameters(remove_duplicate=False)} for layer in block.layers]
+    sharing.delink_layers(block, LAYERS)
+    for layer, attrs in zip(block.layers, saved):
+        for name, param in layer.named_parameters(remove_duplicate=False):
+            for attr, value in attrs[name].items():
+                if attr not in _DDP_ONLY_ATTRS:
+                    setattr(param, attr, value)
+    return block
+
+
+# Attributes Megatron's DDP and optimizers hang on a Parameter; they belong to the old wrapper, not to the copy.
+_DDP_ONLY_ATTRS = ("main_grad", "grad_added_to_main_grad", "main_param", "main_param_sharded")
+
+
+def shared_groups_of(block: TransformerBlock) -> int:
+    """How many distinct parameter sets the block's layers hold (1 = fully shared, L = real)."""
+    return sharing.count_shared_groups(block, LAYERS)
