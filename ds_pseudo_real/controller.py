@@ -207,14 +207,16 @@ class PseudoToRealController:
         return engine, opt, loader, scheduler
 
     def _scale_lr(self, optimizer, *_):
+        """Step pre-hook: the re-warmup factor applies to this optimizer step only (ZeRO steps group by group)."""
         if self._lr_factor != 1.0:
+            self._unscaled_lrs = [group["lr"] for group in optimizer.param_groups]
             for group in optimizer.param_groups:
                 group["lr"] *= self._lr_factor
 
     def _unscale_lr(self, optimizer, *_):
         if self._lr_factor != 1.0:
-            for group in optimizer.param_groups:
-                group["lr"] /= self._lr_factor
+            for group, lr in zip(optimizer.param_groups, self._unscaled_lrs):
+                group["lr"] = lr
 
     def __getattr__(self, name: str):
         engine = self.__dict__.get("engine")

@@ -106,9 +106,18 @@ def seed_optimizer_state(engine, counters: Dict[str, Any]) -> None:
             state[key] = torch.zeros_like(tensor, dtype=torch.float32)
         if counters["state_step"] is not None:
             state["step"] = copy.deepcopy(counters["state_step"])
+    relink_optimizer_state(engine)
+
+
+def relink_optimizer_state(engine) -> None:
+    """Point every parameter's optimizer-state fragment at the current flat state tensors.
+
+    ZeRO-1/2 and the bf16 optimizer link the fragments once, right after the FIRST parameter group's first step,
+    when the other groups have no state yet: their fragments stay empty (DeepSpeed 0.19.8), so
+    ``safe_get_full_optimizer_state`` fails for them until relinked.
+    """
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if link is not None:
-        # ZeRO-1/2 and the bf16 optimizer map each parameter's fragment onto the flat state only once.
+    if link is not None and basic_optimizer(engine).state:
         engine.optimizer._hp_optimizer_states_linked = False
         link()
 
@@ -168,6 +177,8 @@ def _unique(params: Iterable[torch.nn.Parameter]):
 def gather_full_state(engine, with_moments: bool) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
     """Full fp32 weights (and moments) of every unique parameter, by ``named_parameters`` name."""
     weights, moments = {}, {}
+    if with_moments:
+        relink_optimizer_state(engine)
     for name, param in engine.module.named_parameters():
         weights[name] = full_fp32_param(engine, param)
         if with_moments:

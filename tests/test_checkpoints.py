@@ -1,0 +1,151 @@
+"""Checkpoints across stages: exact resume before, at and right after the switch; atomic writes; the offline
+pseudo -> real converter loading on another ZeRO stage and rank count with the pseudo model's logits."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ds_pseudo_real
+from ds_pseudo_real import checkpoint as ckpt
+from ds_pseudo_real.convert import convert
+from conftest import run_two_ranks
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from delink_matrix import config, fixed_batch, tiny_gpt  # noqa: E402
+
+TOTAL, SWITCH = 8, 4
+
+
+def batch_for(step):
+    return fixed_batch(100 + step)
+
+
+def train(engine, until):
+    losses = []
+    while engine.global_steps < until:
+        step = engine.global_steps
+        loss = engine(*batch_for(step))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def make(stage=2, policy="copy", seed=0, dtype="fp32"):
+    cfg = config(stage, dtype, policy, switch=SWITCH)
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}}
+    engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(seed), config=cfg)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    engine = make()
+    losses = train(engine, TOTAL)
+    assert engine.stage == "real" and engine.state.switch_step == SWITCH
+    engine.engine.destroy()
+    return losses
+
+
+@pytest.mark.parametrize("stop_at", [SWITCH - 1, SWITCH, SWITCH + 1], ids=["before", "at", "after"])
+def test_resume_reproduces_the_uninterrupted_losses(tmp_path, uninterrupted, stop_at):
+    first = make()
+    head = train(first, stop_at)
+    first.save_checkpoint(str(tmp_path))
+    saved_stage = first.stage
+    first.engine.destroy()
+    assert ckpt.read_sidecar(str(tmp_path), f"global_step{stop_at}")["stage"] == saved_stage
+    assert saved_stage == ("pseudo" if stop_at < SWITCH else "real")
+
+    second = make(seed=123)  # different initial weights: everything must come from the checkpoint
+    path, _ = second.load_checkpoint(str(tmp_path))
+    assert path is not None and second.global_steps == stop_at and second.stage == saved_stage
+    tail = train(second, TOTAL)
+    assert second.stage == "real" and second.state.switch_step == SWITCH
+    assert head + tail == uninterrupted
+    second.engine.destroy()
+
+
+def test_crash_mid_write_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):
+    engine = make()
+    train(engine, 2)
+    engine.save_checkpoint(str(tmp_path))
+    train(engine, 3)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "publish", crash)
+    with pytest.raises(OSError, match="disk full"):
+        engine.save_checkpoint(str(tmp_path))
+    monkeypatch.undo()
+    assert (tmp_path / "global_step3.partial").is_dir()  # the half-written one is there but never named
+    assert ckpt.latest_tag(str(tmp_path)) == "global_step2"
+    engine.engine.destroy()
+    resumed = make(seed=5)
+    path, _ = resumed.load_checkpoint(str(tmp_path))
+    assert "/global_step2/" in path and resumed.global_steps == 2
+    resumed.engine.destroy()
+
+
+def logits(engine):
+    engine.eval()
+    with torch.no_grad():
+        out = engine(fixed_batch(7)[0]).float()
+    engine.train()
+    return out
+
+
+@pytest.mark.parametrize("target_stage", [0, 3])
+def test_converted_checkpoint_gives_the_pseudo_logits_on_another_zero_stage(tmp_path, target_stage):
+    pseudo = make(stage=2)
+    train(pseudo, SWITCH - 1)
+    expected = logits(pseudo)
+    pseudo.save_checkpoint(str(tmp_path / "pseudo"))
+    pseudo.engine.destroy()
+    out = convert(str(tmp_path / "pseudo"), str(tmp_path / "real"))
+    assert json.loads((out / ckpt.SIDECAR).read_text())["kind"] == "converted"
+
+    real = make(stage=target_stage, seed=9)
+    real.load_checkpoint(str(tmp_path / "real"))
+    assert real.stage == "real" and real.global_steps == SWITCH - 1
+    assert ds_pseudo_real.controller.parameter_numel(real.module) == sum(p.numel() for p in tiny_gpt().parameters())
+    assert torch.equal(logits(real), expected)
+    # The LR schedule position is carried: WarmupLR at step 3 of 5.
+    assert real.optimizer.param_groups[0]["lr"] == pytest.approx(pseudo_lr_at(SWITCH - 1))
+    train(real, SWITCH + 1)
+    real.engine.destroy()
+
+
+def pseudo_lr_at(step):
+    engine = make(stage=1)
+    train(engine, step)
+    lr = engine.optimizer.param_groups[0]["lr"]
+    engine.engine.destroy()
+    return lr
+
+
+def test_two_rank_pseudo_checkpoint_converts_and_loads_on_one_rank(tmp_path):
+    script = Path(__file__).parent / "scripts" / "save_pseudo.py"
+    proc = run_two_ranks(script, str(tmp_path / "pseudo"), str(tmp_path / "logits.pt"))
+    assert "saved" in proc.stdout
+    convert(str(tmp_path / "pseudo"), str(tmp_path / "real"))
+    real = make(stage=1, seed=4)
+    real.load_checkpoint(str(tmp_path / "real"))
+    assert torch.equal(logits(real), torch.load(tmp_path / "logits.pt"))
+    real.engine.destroy()
+
+
+def test_cli_convert(tmp_path):
+    from ds_pseudo_real.cli import main
+
+    pseudo = make(stage=1)
+    train(pseudo, 2)
+    pseudo.save_checkpoint(str(tmp_path / "p"))
+    pseudo.engine.destroy()
+    assert main(["convert", "--input", str(tmp_path / "p"), "--output", str(tmp_path / "r")]) == 0
+    assert ckpt.latest_tag(str(tmp_path / "r")) == "global_step2"
+    with pytest.raises(ValueError, match="only pseudo-stage ones need converting"):
+        convert(str(tmp_path / "r"), str(tmp_path / "again"))

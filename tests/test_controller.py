@@ -1,0 +1,166 @@
+"""The controller as a user meets it: drop-in for deepspeed.initialize, callables rebuilt at the delink,
+plateau switching, LR re-warmup, no loss spike after the switch with copied or scaled moments."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ds_pseudo_real
+from ds_pseudo_real import ds_state
+from ds_pseudo_real.config import ConfigError
+from ds_pseudo_real.data import ByteCorpus
+from ds_pseudo_real.models import GPT, GPTConfig
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from delink_matrix import config, fixed_batch, tiny_gpt  # noqa: E402
+
+
+class HFStyle(nn.Module):
+    """A model whose layers sit at ``transformer.h`` and whose forward returns logits only."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.wte = nn.Embedding(256, 16)
+        self.transformer.h = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)])
+        self.lm_head = nn.Linear(16, 256)
+
+    def forward(self, x):
+        h = self.transformer.wte(x)
+        for block in self.transformer.h:
+            h = h + block(h)
+        return self.lm_head(h)
+
+
+def test_own_model_with_client_optimizer_scheduler_and_param_groups():
+    built = []
+
+    def param_groups(model):
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+    def make_optimizer(params):
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        built.append(opt)
+        return opt
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+           "pseudo_to_real": {"layers": "transformer.h", "groups": 2, "switch": {"at_step": 2}}}
+    torch.manual_seed(0)
+    engine, optimizer, _, scheduler = ds_pseudo_real.initialize(
+        model=HFStyle(), config=cfg, optimizer=make_optimizer, model_parameters=param_groups,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+    )
+    x = torch.randint(0, 256, (2, 8))
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(engine(x).flatten(0, 1), x.flatten())
+        engine.backward(loss)
+        engine.step()
+    assert len(built) == 2 and engine.stage == "real"
+    h = engine.module.transformer.h
+    assert h[0][0].weight is not h[1][0].weight
+    assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.1, 0.0]
+    assert engine.lr_scheduler.last_epoch == 3 and engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
+    engine.engine.destroy()
+
+
+def test_instances_instead_of_callables_are_refused():
+    model = tiny_gpt()
+    with pytest.raises(TypeError, match="optimizer: got a AdamW; pass None or a callable"):
+        ds_pseudo_real.initialize(model=model, config=config(1, "fp32", "copy"), optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def test_groups_must_divide_the_layer_count():
+    cfg = config(1, "fp32", "copy")
+    cfg["pseudo_to_real"]["groups"] = 3
+    with pytest.raises(ValueError, match=r"pseudo_to_real.groups: got 3; .*divide the number of layers \(4\)"):
+        ds_pseudo_real.initialize(model=tiny_gpt(), config=cfg)
+    cfg["pseudo_to_real"]["groups"] = 1
+    cfg["pseudo_to_real"]["layers"] = "blocks"
+    with pytest.raises(ValueError, match="pseudo_to_real.layers: GPT has no attribute path 'blocks'"):
+        ds_pseudo_real.initialize(model=tiny_gpt(), config=cfg)
+    with pytest.raises(ConfigError, match="DeepSpeed config file not found: 'missing.json'"):
+        ds_pseudo_real.initialize(model=tiny_gpt(), config="missing.json")
+
+
+def test_disabled_trains_the_real_model_from_the_start():
+    cfg = config(2, "fp32", "copy")
+    cfg["pseudo_to_real"]["enabled"] = False
+    engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=cfg)
+    assert engine.stage == "real"
+    assert ds_pseudo_real.parameter_count(engine.module) == sum(p.numel() for p in tiny_gpt().parameters())
+    for _ in range(4):
+        loss = engine(*fixed_batch(1))
+        engine.backward(loss)
+        engine.step()
+    assert engine.stage == "real" and engine.last_transition is None
+    engine.engine.destroy()
+
+
+def test_switch_on_validation_plateau_through_report_eval():
+    cfg = config(1, "fp32", "copy")
+    cfg["pseudo_to_real"]["switch"] = {"on_plateau": {"window": 1, "min_improvement": 0.5}}
+    engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=cfg)
+    for value in (3.0, 2.0, 1.8):
+        loss = engine(*fixed_batch(1))
+        engine.backward(loss)
+        engine.step()
+        engine.report_eval({"val_loss": value})
+    assert engine.stage == "real" and engine.state.switch_step == 3
+    engine.engine.destroy()
+
+
+def test_lr_rewarmup_after_the_switch():
+    cfg = config(1, "fp32", "copy", switch=2)
+    cfg["pseudo_to_real"]["rewarmup_steps"] = 3
+    engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=cfg)
+    seen = []
+    for _ in range(6):
+        if engine.stage == "real" and not seen:
+            ds_state.basic_optimizer(engine.engine).register_step_pre_hook(
+                lambda opt, *_: seen.append(opt.param_groups[0]["lr"]))
+        loss = engine(*fixed_batch(1))
+        engine.backward(loss)
+        engine.step()
+    assert seen == pytest.approx([3e-3 * 0.25, 3e-3 * 0.5, 3e-3 * 0.75, 3e-3])
+    assert engine.optimizer.param_groups[0]["lr"] == 3e-3  # the factor never leaks into the stored LR
+    engine.engine.destroy()
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return ByteCorpus(max_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("policy", ["copy", "scale"])
+def test_no_loss_spike_after_the_switch_on_the_demo_model(corpus, policy):
+    """Train the byte-level GPT 40 pseudo steps, delink, 5 real steps: the validation loss must not jump."""
+    cfg = config(1, "fp32", policy, switch=40)
+    cfg["optimizer"]["params"]["lr"] = 2e-3
+    cfg["train_micro_batch_size_per_gpu"] = 8
+    torch.manual_seed(0)
+    engine, *_ = ds_pseudo_real.initialize(model=GPT(GPTConfig(n_layer=4, d_model=64, n_head=4, seq_len=64)), config=cfg)
+    val = [corpus.batch("val", 16, 64, seed=3, step=i) for i in range(2)]
+
+    def val_loss():
+        engine.eval()
+        with torch.no_grad():
+            value = sum(engine(x, y).item() for x, y in val) / len(val)
+        engine.train()
+        return value
+
+    at_switch, after = None, []
+    for step in range(45):
+        loss = engine(*corpus.batch("train", 8, 64, seed=0, step=step))
+        engine.backward(loss)
+        engine.step()
+        if engine.global_steps == 40:
+            at_switch = val_loss()
+        elif engine.global_steps > 40:
+            after.append(val_loss())
+    assert engine.stage == "real"
+    assert max(after) < at_switch + 0.05, f"{policy}: val loss {at_switch:.4f} at the switch, then {after}"
+    engine.engine.destroy()

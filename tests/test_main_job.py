@@ -1,0 +1,74 @@
+"""The main job end to end on the embedded corpus: pseudo stage, delink, real stage, loss history, plot, resume."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ds_pseudo_real.models.gpt import Block, GPTConfig
+from conftest import REPO, free_port, run_two_ranks
+
+TINY = ["--n-layer", "4", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", str(1 << 20),
+        "--eval-interval", "6", "--eval-batches", "2", "--log-interval", "6"]
+
+
+def tiny_config(tmp_path, steps=24, switch=12):
+    cfg = json.loads((REPO / "configs" / "tiny_cpu.json").read_text())
+    cfg["train_micro_batch_size_per_gpu"] = 8
+    cfg["scheduler"]["params"].update(total_num_steps=steps, warmup_num_steps=4)
+    cfg["pseudo_to_real"]["switch"] = {"at_step": switch}
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def run_single(*args):
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_main_job_trains_both_stages_writes_history_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    log = run_single("--deepspeed_config", str(tiny_config(tmp_path)), "--output-dir", str(out), *TINY)
+    assert "delinked at step 12" in log and "rank 0 finished at step 24 stage real" in log
+    rows = records(out)
+    delinks = [r for r in rows if r.get("event") == "delink"]
+    assert len(delinks) == 1 and delinks[0]["step"] == 12
+    layer = sum(p.numel() for p in Block(GPTConfig(d_model=32, n_head=2)).parameters())
+    assert delinks[0]["parameters_after"] - delinks[0]["parameters_before"] == 3 * layer
+    val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    assert sorted(val) == [6, 12, 18, 24]
+    assert val[12] < val[6] and val[24] < val[18] < val[12]  # falls in the pseudo stage and in the real stage
+    assert [r["stage"] for r in rows if "train_loss" in r] == ["pseudo"] * 12 + ["real"] * 12
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "checkpoints" / "latest").read_text() == "global_step24"
+
+    # Continue the same run to step 30 with a longer schedule: resumes in the real stage from step 24.
+    log = run_single("--deepspeed_config", str(tiny_config(tmp_path, steps=30)), "--output-dir", str(out), *TINY)
+    assert "resumed from" in log and "at step 24 (real stage)" in log
+    assert "rank 0 finished at step 30 stage real" in log
+    steps = [r["step"] for r in records(out) if "train_loss" in r]
+    assert steps == list(range(1, 31))
+
+
+def test_main_job_on_two_ranks(tmp_path):
+    out = tmp_path / "run2"
+    proc = run_two_ranks(REPO / "launch" / "train.py", "--deepspeed_config", str(tiny_config(tmp_path, steps=12, switch=6)),
+                         "--output-dir", str(out), *TINY)
+    assert "rank 0 finished at step 12 stage real" in proc.stdout
+    assert "rank 1 finished at step 12 stage real" in proc.stdout
+    assert [r["step"] for r in records(out) if r.get("event") == "delink"] == [6]
+
+
+def test_console_script_help_lists_commands():
+    from ds_pseudo_real.cli import main
+
+    assert main(["--help"]) == 0
+    assert main(["bogus"]) == 2
