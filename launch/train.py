@@ -88,8 +88,22 @@ def evaluate(engine, corpus: ByteCorpus, args, batch_size: int, rank: int, world
     return total.item() / (args.eval_batches * world)
 
 
+def single_process_defaults() -> None:
+    """Started without a launcher (``python launch/train.py``, ``ds-pseudo-real train``): one rank on this host,
+    so DeepSpeed does not fall back to MPI discovery."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    single_process_defaults()
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"rank {rank}/{world} started on {os.uname().nodename}", flush=True)

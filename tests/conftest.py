@@ -28,6 +28,17 @@ def single_process_dist_env():
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_ops():
+    """Build (or load from TORCH_EXTENSIONS_DIR) DeepSpeed's CPU ops once, before any test or rank needs them,
+    so that 2-rank subprocesses never compile the same op at the same time."""
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder
+
+    for builder in (CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder):
+        builder().load(verbose=False)
+    yield
+
+
 def run_two_ranks(script: Path, *args: str, timeout: float = 600, env_extra=None) -> subprocess.CompletedProcess:
     """Run ``script`` on 2 gloo ranks with torchrun; fail the test with the output if it exits non-zero."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
