@@ -1,0 +1,81 @@
+"""M6 expert prototyping for megatron.core's MoE layer: a router that plugs into ``MoESubmodules.router``.
+
+Owns: ``ExpertPrototypingRouter`` (routing math from ``ds_pseudo_real.moe.routing``; the token dispatcher, the
+experts and expert parallelism stay Megatron's), the layer spec that uses it, and the TransformerConfig fields it
+needs. Written against megatron-core 0.16.1 (TopKRouter.routing(logits, padding_mask) -> (probs, routing_map)).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, Optional
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from ds_pseudo_real.moe import routing
+
+
+class ExpertPrototypingRouter(TopKRouter):
+    """Top-1 inside each of ``num_prototypes`` groups of experts; the MoE layer sums the k gated outputs.
+
+    Uses ``config.moe_expert_capacity_factor`` / ``moe_token_drop_policy`` for token dropping and
+    ``config.moe_aux_loss_coeff`` for the per-prototype balance loss; Megatron's own balancing must be "none".
+    """
+
+    def __init__(self, config, pg_collection=None, num_prototypes: int = 1):
+        routing.check_prototypes(config.num_moe_experts, num_prototypes)
+        if config.moe_router_topk != num_prototypes:
+            raise ValueError(
+                f"--moe-router-topk must equal --m6-expert-prototypes (every token visits one expert per prototype); "
+                f"got topk {config.moe_router_topk} and {num_prototypes} prototypes"
+            )
+        if config.moe_router_load_balancing_type != "none":
+            raise ValueError(
+                f"--moe-router-load-balancing-type must be 'none' with expert prototyping (its balance loss is "
+                f"per prototype, weighted by --moe-aux-loss-coeff); got {config.moe_router_load_balancing_type!r}"
+            )
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.num_prototypes = num_prototypes
+
+    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        logits = logits.view(-1, self.config.num_moe_experts)
+        probs, routing_map = routing.expert_prototype_routing(logits, self.num_prototypes)
+        coeff = self.config.moe_aux_loss_coeff
+        if self.training and torch.is_grad_enabled() and coeff:
+            balance = routing.load_balancing_loss(logits, routing_map, self.num_prototypes)
+            probs = MoEAuxLossAutoScaler.apply(probs, coeff * balance)
+        if self.config.moe_expert_capacity_factor is not None:
+            capacity = routing.expert_capacity(logits.shape[0], logits.shape[1], self.num_prototypes,
+                                               self.config.moe_expert_capacity_factor)
+            probs, routing_map = routing.drop_over_capacity(probs, routing_map, capacity,
+                                                            self.config.moe_token_drop_policy)
+        return probs, routing_map
+
+
+def m6_moe_config(num_experts: int, num_prototypes: int, capacity_factor: Optional[float] = None,
+                  balance_loss_coeff: float = 0.0, dispatcher: str = "alltoall") -> Dict[str, Any]:
+    """The TransformerConfig fields of an M6 expert-prototyping MoE (every layer MoE).
+
+    Linear layers carry no bias, as in the M6 parameter count (2 x hidden x ffn per expert); megatron-core 0.16.1's
+    expert MLP also fails with a bias and per-token gates (in-place add on a view in mlp.py).
+    """
+    routing.check_prototypes(num_experts, num_prototypes)
+    return dict(num_moe_experts=num_experts, moe_router_topk=num_prototypes, moe_expert_capacity_factor=capacity_factor,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=balance_loss_coeff,
+                moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False, add_bias_linear=False)
+
+
+def use_prototyping_router(layer_spec: ModuleSpec, num_prototypes: int) -> ModuleSpec:
+    """Swap the router of an MoE layer spec (in place) for the expert-prototyping one; returns the spec."""
+    layer_spec.submodules.mlp.submodules.router = functools.partial(ExpertPrototypingRouter,
+                                                                    num_prototypes=num_prototypes)
+    return layer_spec
+
+
+def m6_layer_spec(num_experts: int, num_prototypes: int) -> ModuleSpec:
+    """megatron.core's local (no Transformer Engine) GPT layer spec with an M6 expert-prototyping MoE."""
+    return use_prototyping_router(get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False),
+                                  num_prototypes)
