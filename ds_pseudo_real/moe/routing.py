@@ -93,13 +93,19 @@ def load_balancing_loss(logits: torch.Tensor, routing_map: torch.Tensor, num_pro
     return (per * (fraction * mean_score).sum(dim=-1)).mean()
 
 
+def expert_slots(routing_map: torch.Tensor) -> torch.Tensor:
+    """``[tokens, E]`` position of each routed token in its expert's buffer (tokens in order; -1 where not routed)."""
+    slot = torch.cumsum(routing_map.long(), dim=0) - 1
+    return slot.masked_fill(~routing_map, -1)
+
+
 def dispatch_and_combine(
     gates: torch.Tensor, routing_map: torch.Tensor, capacity: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """GShard-style ``[tokens, E, capacity]`` tensors: ``dispatch_mask`` places each kept (token, expert) pair in a
-    capacity slot (slots filled in token order); ``combine_weights`` carries its gate there."""
-    slot = torch.cumsum(routing_map.long(), dim=0) - 1
-    if routing_map.any() and int(slot.masked_fill(~routing_map, -1).max()) >= capacity:
+    """GShard-style ``[tokens, E, capacity]`` tensors: ``dispatch_mask`` places each kept (token, expert) pair in its
+    ``expert_slots`` slot; ``combine_weights`` carries its gate there."""
+    slot = expert_slots(routing_map)
+    if int(slot.max()) >= capacity:
         raise ValueError(f"more tokens routed to one expert than its capacity {capacity}: drop them first")
     slot_onehot = F.one_hot(slot.clamp(min=0), capacity).to(gates.dtype) * routing_map.unsqueeze(-1)
     combine_weights = gates.unsqueeze(-1) * slot_onehot
@@ -114,5 +120,6 @@ __all__ = [
     "drop_over_capacity",
     "expert_prototype_routing",
     "load_balancing_loss",
+    "expert_slots",
     "dispatch_and_combine",
 ]
