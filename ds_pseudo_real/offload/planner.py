@@ -11,8 +11,8 @@ Byte model (per rank, written against DeepSpeed 0.19.8 ``stage_1_and_2.py`` / ``
   DeepSpeed-owned, every level: working params n*w (on the host for HOST_PARAMS), gradients n*w (m*w under ZeRO 2),
       and under ZeRO >= 1 or bf16 its own fp32 partition 4*m on the device.
   Optimizer-owned (what GranularOffloadOptimizer holds): Adam moments 8*m, on the device for DEVICE; for the host
-      levels the moments and a host fp32 master 4*m on the host (for HOST_PARAMS in fp32 ZeRO 0 the host params
-      are that master, so it is not counted twice).
+      levels the moments, a host fp32 master 4*m and a host gradient buffer 4*m on the host (for HOST_PARAMS in
+      fp32 ZeRO 0 the host params are that master, so they are not counted twice).
   Moved per step: HOST_OPTIMIZER gradient D2H 4*m + updated master H2D 4*m; HOST_PARAMS gradient D2H 4*n +
       params H2D twice (forward and backward fetch) 2*n*w per layer using them, and a device buffer for two layers'
       params (the fetched one and the prefetched next).
@@ -122,14 +122,14 @@ def group_bytes(numel: int, level: PlacementLevel, setup: TrainingSetup, uses: i
     if level is PlacementLevel.DEVICE:
         return GroupBytes(params + grads + ds_master + moments, 0, 0, moments, 0)
     if level is PlacementLevel.HOST_OPTIMIZER:
-        host = FP32 * m + moments
+        host = 2 * FP32 * m + moments
         return GroupBytes(params + grads + ds_master, host, 2 * FP32 * m, 0, host)
     if not setup.supports_host_params:
         raise PlanError(
             f"granular_offload level 'host_params' needs fp32 with zero_optimization.stage 0 "
             f"(got dtype={setup.dtype!r}, stage={setup.zero_stage}); accepted levels here: 'device', 'host_optimizer'"
         )
-    host = params + moments  # fp32 ZeRO 0: the host params are the master
+    host = params + FP32 * m + moments  # fp32 ZeRO 0: the host params are the master
     return GroupBytes(grads, host, FP32 * numel + 2 * params * uses, 0, host)
 
 

@@ -72,7 +72,7 @@ def test_plan_command_prints_the_table(tmp_path, capsys):
     assert "without offload: device 62.50 KiB per rank (does not fit 48.83 KiB)" in out
     # 64000 - 50000: two layers must free 8000 each; the later layers go first
     assert "layer0..layer1 (2)  device          1,000        15.62 KiB    0 B        0 B" in out
-    assert "layer2..layer3 (2)  host_optimizer  1,000        7.81 KiB     11.72 KiB  7.81 KiB" in out
+    assert "layer2..layer3 (2)  host_optimizer  1,000        7.81 KiB     15.62 KiB  7.81 KiB" in out
     assert "device total 46.88 KiB (48000 B)" in out
 
 

@@ -12,10 +12,11 @@ FP32_Z0 = TrainingSetup("fp32", 0, 1)
 def test_group_bytes_fp32_zero0_every_level():
     # n=1000: params 4000, grads 4000, moments 8000, no separate master (the optimizer steps the model's params)
     assert group_bytes(1000, L.DEVICE, FP32_Z0) == (16000, 0, 0, 8000, 0)
-    # host master 4000 + moments 8000 on the host; grad D2H 4000 + master H2D 4000 per step
-    assert group_bytes(1000, L.HOST_OPTIMIZER, FP32_Z0) == (8000, 12000, 8000, 0, 12000)
-    # device keeps only grads; moved: grad 4000 + params fetched for forward and backward 2 * 4000
-    assert group_bytes(1000, L.HOST_PARAMS, FP32_Z0) == (4000, 12000, 12000, 0, 12000)
+    # host master 4000 + grad buffer 4000 + moments 8000 on the host; grad D2H 4000 + master H2D 4000 per step
+    assert group_bytes(1000, L.HOST_OPTIMIZER, FP32_Z0) == (8000, 16000, 8000, 0, 16000)
+    # device keeps only grads; host params (= master) 4000 + grad buffer 4000 + moments 8000;
+    # moved: grad 4000 + params fetched for forward and backward 2 * 4000
+    assert group_bytes(1000, L.HOST_PARAMS, FP32_Z0) == (4000, 16000, 12000, 0, 16000)
     # a pseudo layer used by 6 layers is fetched 6 times in each direction of the step
     assert group_bytes(1000, L.HOST_PARAMS, FP32_Z0, uses=6).moved_per_step == 4000 + 6 * 2 * 4000
 
@@ -33,7 +34,7 @@ def test_group_bytes_bf16_zero2_dp4():
     setup = TrainingSetup("bf16", 2, 4)
     # m=252: params 1001*2, grads 252*2, DeepSpeed fp32 partition 4*252, moments 8*252
     assert group_bytes(1001, L.DEVICE, setup) == (2002 + 504 + 1008 + 2016, 0, 0, 2016, 0)
-    assert group_bytes(1001, L.HOST_OPTIMIZER, setup) == (2002 + 504 + 1008, 1008 + 2016, 2016, 0, 3024)
+    assert group_bytes(1001, L.HOST_OPTIMIZER, setup) == (2002 + 504 + 1008, 2 * 1008 + 2016, 2016, 0, 4032)
     with pytest.raises(PlanError, match="host_params.*stage 0.*got dtype='bf16', stage=2"):
         group_bytes(1001, L.HOST_PARAMS, setup)
 
@@ -46,8 +47,8 @@ def test_plan_fills_budget_and_offloads_last_layers_first():
     plan = plan_placement(GROUPS, FP32_Z0, budget_bytes=50000)
     assert plan.levels() == {"layer0": "device", "layer1": "host_optimizer", "layer2": "host_optimizer",
                              "layer3": "host_optimizer", "other": "device"}
-    assert (plan.device_bytes, plan.host_bytes, plan.moved_bytes_per_step) == (48000, 36000, 24000)
-    assert (plan.optimizer_device_bytes, plan.optimizer_host_bytes) == (8000 + 4000, 36000)
+    assert (plan.device_bytes, plan.host_bytes, plan.moved_bytes_per_step) == (48000, 48000, 24000)
+    assert (plan.optimizer_device_bytes, plan.optimizer_host_bytes) == (8000 + 4000, 48000)
 
 
 def test_plan_uses_host_params_when_host_optimizer_is_not_enough():
@@ -58,7 +59,7 @@ def test_plan_uses_host_params_when_host_optimizer_is_not_enough():
                              "layer3": "host_params", "other": "host_optimizer"}
     assert plan.prefetch_buffer_bytes == 8000
     assert plan.device_bytes == 8000 + 3 * 4000 + 8000 + 4000
-    assert plan.host_bytes == 4 * 12000 + 6000
+    assert plan.host_bytes == 4 * 16000 + 8000
     assert plan.moved_bytes_per_step == 8000 + 3 * 12000 + 4000
     plan = plan_placement(GROUPS, FP32_Z0, budget_bytes=31000)
     assert plan.level_of("layer0") is L.HOST_PARAMS and plan.device_bytes == 4 * 4000 + 8000 + 4000
