@@ -16,7 +16,6 @@ parser.add_argument("--deepspeed_config", required=True)
 parser.add_argument("--output-dir", type=Path, required=True)
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--step-seconds", type=float, default=0.5)
-parser.add_argument("--local_rank", type=int, default=None)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")  # env:// from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
@@ -53,7 +52,7 @@ while step < args.steps:
     dist.all_reduce(stop)
     if stop.item() > 0:
         save(step)
-        print(f"saved checkpoint at step {step} on signal SIG{(received or ['USR1'])[0].removeprefix('SIG')}",
+        print(f"saved checkpoint at step {step} on signal {received[0] if received else 'from another rank'}",
               flush=True)
         dist.destroy_process_group()
         raise SystemExit(0)

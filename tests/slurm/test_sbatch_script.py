@@ -1,0 +1,92 @@
+"""The generated sbatch script and the submit command's validation, without a cluster."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.slurm import REPO, JobSpec, main, sbatch_script, time_limit_seconds
+
+
+def spec(tmp_path, **changes):
+    config = tmp_path / "ds.json"
+    config.write_text("{}")
+    values = dict(nodes=64, tasks_per_node=8, gpus_per_node=8, partition="gpu", time="10-00:00:00",
+                  deepspeed_config=config, output_dir=tmp_path / "run", train_args=["--steps", "100"],
+                  python="/opt/venv/bin/python")
+    values.update(changes)
+    return JobSpec(**values)
+
+
+def directives(script):
+    return [line.split(" ", 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+def test_multi_node_script_one_task_per_gpu(tmp_path):
+    script = sbatch_script(spec(tmp_path, requeue=True, cpus_per_task=10, sbatch_options=["--account=m6"]))
+    run = tmp_path / "run"
+    assert directives(script) == [
+        "--job-name=ds_pseudo_real", "--partition=gpu", "--nodes=64", "--ntasks-per-node=8", "--gpus-per-node=8",
+        "--cpus-per-task=10", "--time=10-00:00:00", f"--chdir={run}", f"--output={run}/logs/sbatch-%j.log",
+        "--open-mode=append", "--signal=B:USR1@300", "--requeue", "--account=m6"]
+    srun = script[script.index("\nsrun "):script.index(" &\n")].replace("\\\n", " ").split()
+    assert srun[:6] == ["srun", "--kill-on-bad-exit=1", "--open-mode=append", f"--output={run}/logs/rank-%t.log",
+                        "--cpus-per-task=10", "/opt/venv/bin/python"]
+    assert srun[6:] == ["-m", "launch.dist_env", "--", "/opt/venv/bin/python", str(REPO / "launch" / "train.py"),
+                        "--deepspeed_config", str(tmp_path / "ds.json"), "--output-dir", str(run), "--steps", "100"]
+    assert "REQUEUE=1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+
+
+def test_cpu_job_has_no_gpu_directive_and_no_requeue(tmp_path):
+    script = sbatch_script(spec(tmp_path, nodes=1, tasks_per_node=2, gpus_per_node=0, time="10"))
+    assert "--ntasks-per-node=2" in directives(script)
+    assert not any(d.startswith(("--gpus", "--gres")) for d in directives(script))
+    assert "--no-requeue" in directives(script) and "REQUEUE=0" in script
+
+
+def test_script_is_valid_bash_and_quotes_odd_paths(tmp_path):
+    odd = tmp_path / "my run's dir"
+    script = sbatch_script(spec(tmp_path, output_dir=odd, train_args=["--note", "a b;c"]))
+    check = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    assert "'a b;c'" in script and "RUN_DIR='" in script
+
+
+@pytest.mark.parametrize("value,seconds", [("10", 600), ("5:30", 330), ("1:00:00", 3600), ("2-3", 2 * 86400 + 10800),
+                                           ("10-00:00:00", 864000), ("1-00:01", 86460), ("UNLIMITED", None)])
+def test_time_limit_seconds(value, seconds):
+    assert time_limit_seconds(value) == seconds
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    (dict(time="10 days"), "--time '10 days': expected MINUTES"),
+    (dict(time="0"), "--time '0': the time limit must be positive"),
+    (dict(tasks_per_node=4), "--tasks-per-node 4 with --gpus-per-node 8"),
+    (dict(gpus_per_node=0, tasks_per_node=0), "--tasks-per-node 0: expected at least 1"),
+    (dict(time="5", signal_grace_s=300), "--signal-grace 300: expected 0 <= seconds < the time limit"),
+    (dict(train_args=["--output-dir", "x"]), "train argument --output-dir after '--'"),
+    (dict(partition="gpu partition"), "--partition 'gpu partition'"),
+    (dict(deepspeed_config=Path("/nonexistent.json")), "--deepspeed-config /nonexistent.json: no such file"),
+])
+def test_validation_names_flag_and_value(tmp_path, changes, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace("+", r"\+")):
+        spec(tmp_path, **changes).validate()
+
+
+def test_dry_run_prints_and_writes_nothing(tmp_path, capsys):
+    config = tmp_path / "ds.json"
+    config.write_text("{}")
+    run = tmp_path / "run"
+    assert main(["submit", "--nodes", "2", "--gpus-per-node", "4", "--partition", "p", "--time", "60",
+                 "--deepspeed-config", str(config), "--output-dir", str(run), "--dry-run", "--", "--steps", "7"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("#!/bin/bash\n") and "#SBATCH --nodes=2" in out and "--steps 7" in out
+    assert not run.exists()
+
+
+def test_submit_cli_error_names_the_flag(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "launch.slurm", "submit", "--nodes", "1", "--gpus-per-node", "0",
+                          "--partition", "p", "--time", "60", "--deepspeed-config", str(tmp_path / "none.json"),
+                          "--dry-run"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2
+    assert "--tasks-per-node 0: expected at least 1" in out.stderr
