@@ -151,7 +151,8 @@ class OffloadPlan:
     @property
     def prefetch_buffer_bytes(self) -> int:
         """Device buffer for host-resident params: the fetched layer and the prefetched next one."""
-        sizes = sorted((p.group.numel for p in self.placements if p.level is PlacementLevel.HOST_PARAMS), reverse=True)
+        sizes = sorted((p.group.numel for p in self.placements if p.level is PlacementLevel.HOST_PARAMS
+                        for _ in range(min(p.group.uses, 2))), reverse=True)  # a shared set: two layers' copies
         return sum(sizes[:2]) * self.setup.working_bytes
 
     @property

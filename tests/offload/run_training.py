@@ -1,8 +1,8 @@
 """Train TinyLM under DeepSpeed with and without granular offload and print one JSON line of results per case.
 
 Usage (1 rank with RANK/WORLD_SIZE/... set, or under torchrun): run_training.py CASE [CASE ...]
-CASE = STAGE:DTYPE:LEVELS, LEVELS one letter per layer then one for the rest: d device, o host_optimizer,
-p host_params; e.g. 2:fp32:dodoo. Results: losses of the reference (same Adam kernel, no offload) and of the
+CASE = STAGE:DTYPE:LEVELS[:GROUPS], LEVELS one letter per parameter-owning layer then one for the rest: d device,
+o host_optimizer, p host_params; e.g. 2:fp32:dodoo. GROUPS: train the pseudo model whose 4 layers share GROUPS sets. Results: losses of the reference (same Adam kernel, no offload) and of the
 granular run, the bytes held and moved against the plan, and a checkpoint save/load trajectory check.
 """
 import json
@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny_model import TinyLM, batch  # noqa: E402
 
 from ds_pseudo_real.offload import build_offload_optimizer, model_groups  # noqa: E402
+from ds_pseudo_real.sharing import apply_sharing  # noqa: E402
 
 LETTERS = {"d": "device", "o": "host_optimizer", "p": "host_params"}
 ADAM = {"lr": 1e-2, "weight_decay": 0.01, "betas": [0.9, 0.99], "eps": 1e-8}
@@ -51,9 +52,14 @@ def moved_bytes(optimizer):
     return optimizer.moved_bytes + (optimizer.host_params.fetched_bytes if optimizer.host_params else 0)
 
 
-def reference(stage, dtype, rank):
+def make_model(groups):
     torch.manual_seed(0)
     model = TinyLM()
+    return apply_sharing(model, "layers", groups) if groups else model
+
+
+def reference(stage, dtype, groups, rank):
+    model = make_model(groups)
     config = {k: v for k, v in ds_config(stage, dtype).items() if k != "optimizer"}
     config.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
     # the same per-layer groups as the granular run: ZeRO 1/2 flatten and partition per group, and with one
@@ -67,11 +73,11 @@ def reference(stage, dtype, rank):
     return losses, params
 
 
-def granular(stage, dtype, levels, rank, world_size):
-    torch.manual_seed(0)
-    model = TinyLM()
+def granular(stage, dtype, levels, groups, rank, world_size):
+    model = make_model(groups)
     config = ds_config(stage, dtype)
-    config["granular_offload"] = {"levels": {("other" if i == len(levels) - 1 else str(i)): LETTERS[c]
+    size = len(model.layers) // (groups or len(model.layers))
+    config["granular_offload"] = {"levels": {("other" if i == len(levels) - 1 else str(i * size)): LETTERS[c]
                                              for i, c in enumerate(levels)}}
     optimizer, patched, plan = build_offload_optimizer(model, config, "layers", world_size)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
@@ -79,10 +85,10 @@ def granular(stage, dtype, levels, rank, world_size):
 
 
 def run_case(case, rank, world_size, checkpoint_dir):
-    stage, dtype, levels = case.split(":")
-    stage = int(stage)
-    ref_losses, ref_params = reference(stage, dtype, rank)
-    engine, optimizer, plan = granular(stage, dtype, levels, rank, world_size)
+    stage, dtype, levels, *groups = case.split(":")
+    stage, groups = int(stage), int(groups[0]) if groups else None
+    ref_losses, ref_params = reference(stage, dtype, groups, rank)
+    engine, optimizer, plan = granular(stage, dtype, levels, groups, rank, world_size)
     losses = train(engine, rank, 0, STEPS - 1)
     before = moved_bytes(optimizer)
     losses += train(engine, rank, STEPS - 1, 1)
@@ -98,7 +104,7 @@ def run_case(case, rank, world_size, checkpoint_dir):
     engine.destroy()
     if optimizer.host_params:
         optimizer.host_params.remove()
-    engine, optimizer, _ = granular(stage, dtype, levels, rank, world_size)
+    engine, optimizer, _ = granular(stage, dtype, levels, groups, rank, world_size)
     engine.load_checkpoint(path, tag="t")
     after_load = train(engine, rank, STEPS, 2)
     engine.destroy()
@@ -109,6 +115,8 @@ def run_case(case, rank, world_size, checkpoint_dir):
         "held": held, "moved": moved,
         "plan": {"device": plan.optimizer_device_bytes, "host": plan.optimizer_host_bytes,
                  "moved": plan.moved_bytes_per_step},
+        "peak_buffer": optimizer.host_params.peak_buffered_bytes if optimizer.host_params else 0,
+        "plan_buffer": plan.prefetch_buffer_bytes,
         "after_save": after_save, "after_reload": after_reload, "after_load": after_load,
     }
 

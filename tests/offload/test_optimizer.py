@@ -28,19 +28,23 @@ def run_one_rank(*cases, tmp_path):
 
 
 def check(result):
-    stage, dtype, letters = result["case"].split(":")
-    names = [f"layer{i}" for i in range(len(letters) - 1)] + ["other"]
+    stage, dtype, letters, *groups = result["case"].split(":")
+    size = 4 // int(groups[0]) if groups else 1
+    names = [f"layer{i * size}" for i in range(len(letters) - 1)] + ["other"]
     assert result["levels"] == {n: LEVELS[c] for n, c in zip(names, letters)}
     assert result["losses"][0] != result["losses"][-1]  # it trained
     assert result["losses"] == result["ref_losses"], "offloaded losses differ from no offload"
     assert result["params_equal"], "offloaded weights differ from no offload"
     assert result["held"] == {"device": result["plan"]["device"], "host": result["plan"]["host"]}
     assert result["moved"] == result["plan"]["moved"]
+    assert result["peak_buffer"] == result["plan_buffer"]
     assert result["after_reload"] == result["after_save"], "resume in the same engine left the trajectory"
     assert result["after_load"] == result["after_save"], "resume in a fresh engine left the trajectory"
 
 
-ONE_RANK = ["0:fp32:dodoo", "1:fp32:dodoo", "2:fp32:oddod", "0:bf16:dodoo", "1:bf16:oddod", "2:bf16:dodoo"]
+# real model at every level; pseudo models (":G" = 4 layers sharing G parameter sets) fully and 2-way shared
+ONE_RANK = ["0:fp32:dodoo", "1:fp32:dodoo", "2:fp32:oddod", "0:bf16:dodoo", "1:bf16:oddod", "2:bf16:dodoo",
+            "0:fp32:dpopd", "0:fp32:po:1", "2:fp32:dod:2"]
 
 
 def test_one_rank_exact_accounted_and_resumable(tmp_path):
@@ -52,9 +56,15 @@ def test_one_rank_exact_accounted_and_resumable(tmp_path):
     # master + grad buffer + moments 16 B per param on the host for the others
     first = out[0]
     assert first["plan"] == {"device": 2 * 8 * 8416, "host": 16 * (2 * 8416 + 4160), "moved": 8 * (2 * 8416 + 4160)}
+    # fully shared pseudo model, its one layer set at host_params: fetched for each of the 4 layers' forward and
+    # backward (2 * 4 * 4 B per param) plus its gradient (4 B); the rest at host_optimizer (8 B); the device holds
+    # two copies of the set at most (the layer running and the next one)
+    pseudo = next(r for r in out if r["case"] == "0:fp32:po:1")
+    assert pseudo["plan"]["moved"] == (4 + 2 * 4 * 4) * 8416 + 8 * 4160
+    assert pseudo["peak_buffer"] == 2 * 4 * 8416
 
 
-TWO_RANKS = ["0:fp32:dodoo", "1:fp32:oddod", "2:fp32:dodoo", "2:bf16:oddod"]
+TWO_RANKS = ["0:fp32:dpopd", "1:fp32:oddod", "2:fp32:dodoo", "2:bf16:oddod", "1:fp32:od:1"]
 
 
 def test_two_ranks_exact_accounted_and_resumable(tmp_path):

@@ -1,0 +1,118 @@
+"""Host-resident working parameters for the ``host_params`` level: module hooks that fetch a layer's parameters
+to the device just before its forward and its backward (prefetching the next layer) and release them after.
+
+Owns: the host copy of each such parameter (which is also the optimizer's fp32 master) and the device buffers.
+Must not step or plan. Written against torch 2.x module hooks; needs fp32 with ZeRO stage 0, where DeepSpeed
+0.19.8 leaves the model's Parameters as they are (ZeRO 1/2 and the bf16 optimizer keep a flat device copy).
+
+Between uses ``p.data`` is the host tensor, so ``state_dict``, ``load_state_dict`` and DeepSpeed's initial
+broadcast read and write the host copy. Autograd saves a leaf Parameter itself, not its storage, so re-fetching
+before the backward gives the layer's backward the same values it ran forward with.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ds_pseudo_real.sharing import get_layer_list
+
+
+class HostParamStore:
+    """Keeps the parameters in ``host_param_lists`` on the host and serves them to the layers that use them."""
+
+    def __init__(self, model: nn.Module, layer_path: str, host_param_lists: Sequence[Sequence[nn.Parameter]],
+                 prefetch: bool = True, pin_memory: bool = True, device: Optional[torch.device] = None):
+        wanted = {id(p) for params in host_param_lists for p in params}
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                                 else torch.device("cpu"))
+        self.prefetch = prefetch
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream() if self._cuda else None
+        # one entry per layer module using host params, in layer order (a pseudo model's shared set: every member)
+        self._entries: List[List[nn.Parameter]] = []
+        modules = []
+        for layer in get_layer_list(model, layer_path):
+            params = [p for p in layer.parameters() if id(p) in wanted]
+            if params:
+                self._entries.append(params)
+                modules.append(layer)
+        self._host: Dict[nn.Parameter, torch.Tensor] = {}
+        for params in self._entries:
+            for p in params:
+                if p not in self._host:
+                    host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin_memory and self._cuda)
+                    host.copy_(p.detach())
+                    self._host[p] = host
+                    p.data = host
+        self._buffers: Dict[int, tuple] = {}  # entry -> (device tensors, ready event or None)
+        self.fetched_bytes = 0  # since construction
+        self.buffered_bytes = 0
+        self.peak_buffered_bytes = 0
+        self._handles = []
+        for k, module in enumerate(modules):
+            self._handles += [
+                module.register_forward_pre_hook(lambda m, a, k=k: self._use(k, k + 1)),
+                module.register_forward_hook(lambda m, a, o, k=k: self._release(k)),
+                module.register_full_backward_pre_hook(lambda m, g, k=k: self._use(k, k - 1)),
+                module.register_full_backward_hook(lambda m, gi, go, k=k: self._release(k)),
+            ]
+
+    def host_tensor(self, p: nn.Parameter) -> torch.Tensor:
+        """The host copy of ``p``: its working value between uses and the optimizer's fp32 master."""
+        return self._host[p]
+
+    def _adopt(self, params: List[nn.Parameter]) -> None:
+        """Something replaced ``p.data`` since the last release (the engine moving the model to the device):
+        take its value as the host copy and point ``p`` back at the host."""
+        live = {t.data_ptr() for tensors, _ in self._buffers.values() for t in tensors}
+        for p in params:
+            host = self._host[p]
+            if p.data.data_ptr() != host.data_ptr() and p.data.data_ptr() not in live:
+                host.copy_(p.detach())
+                p.data = host
+
+    def _fetch(self, k: int) -> None:
+        if k in self._buffers or not 0 <= k < len(self._entries):
+            return
+        params = self._entries[k]
+        self._adopt(params)
+        event = None
+        if self._cuda:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                tensors = [self._host[p].to(self.device, non_blocking=True) for p in params]
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        else:
+            tensors = [self._host[p].clone() for p in params]  # the same path with the device being the CPU
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        self.fetched_bytes += size
+        self.buffered_bytes += size
+        self.peak_buffered_bytes = max(self.peak_buffered_bytes, self.buffered_bytes)
+        self._buffers[k] = (tensors, event)
+
+    def _use(self, k: int, then: int) -> None:
+        self._fetch(k)
+        tensors, event = self._buffers[k]
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+            for t in tensors:
+                t.record_stream(torch.cuda.current_stream())  # allocated on the copy stream, used on this one
+        for p, t in zip(self._entries[k], tensors):
+            p.data = t
+        if self.prefetch:
+            self._fetch(then)
+
+    def _release(self, k: int) -> None:
+        tensors, _ = self._buffers.pop(k, ((), None))
+        self.buffered_bytes -= sum(t.numel() * t.element_size() for t in tensors)
+        for p in self._entries[k]:
+            p.data = self._host[p]
+
+    def remove(self) -> None:
+        """Take the hooks off; the parameters stay on the host."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
