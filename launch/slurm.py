@@ -13,8 +13,8 @@ of these again.
 
 Checkpoint before the end: ``--signal=B:USR1@GRACE`` makes SLURM signal the batch shell GRACE seconds before the
 time limit; the shell forwards SIGUSR1 to srun, which forwards it to every rank; the trainer saves a checkpoint at
-the next step boundary and exits 0. With ``--requeue`` the shell then requeues the job (same job id, same port),
-and the trainer resumes from the latest checkpoint in DIR/checkpoints. The same happens on
+the next step boundary and exits 0. With ``--requeue`` the shell then requeues the job (same job id, same port) if
+DIR/checkpoints/latest names a new checkpoint, and the trainer resumes from it. The same happens on
 ``scancel --batch --signal=USR1 JOB``; ``scancel --signal=USR1 JOB`` signals only the ranks: checkpoint, then stop.
 Preemption (PreemptMode=REQUEUE) sends SIGTERM to every rank directly and SLURM requeues the job by itself.
 
@@ -36,6 +36,7 @@ from typing import List, Optional, Sequence
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SCRIPT = REPO / "launch" / "train.py"
 SCRIPT_NAME = "submit.sbatch"
+SIGNAL_SLACK_S = 60
 
 _TIME_FORMATS = "MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES, " \
                 "DAYS-HOURS:MINUTES:SECONDS or UNLIMITED"
@@ -81,6 +82,7 @@ class JobSpec:
     script: Path = DEFAULT_SCRIPT
     python: str = sys.executable
     sbatch_options: List[str] = field(default_factory=list)
+    workdir: Path = field(default_factory=Path.cwd)
 
     def validate(self) -> None:
         """Raise ValueError naming the flag, the value and what is accepted."""
@@ -101,9 +103,12 @@ class JobSpec:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.job_name):
             raise ValueError(f"--job-name {self.job_name!r}: expected letters, digits, _ . -")
         limit = time_limit_seconds(self.time)
-        if self.signal_grace_s < 0 or (limit is not None and self.signal_grace_s >= limit):
-            raise ValueError(f"--signal-grace {self.signal_grace_s}: expected 0 <= seconds < the time limit "
-                             f"(--time {self.time} = {limit} s); the checkpoint signal comes this long before the end")
+        # SLURM checks pending signals about once a minute, so the warning may come up to 60 s early: a grace that
+        # close to the limit would signal the ranks while they start, before their handler exists.
+        if self.signal_grace_s < 0 or (limit is not None and self.signal_grace_s + SIGNAL_SLACK_S >= limit):
+            raise ValueError(f"--signal-grace {self.signal_grace_s}: expected 0 <= seconds < the time limit minus "
+                             f"{SIGNAL_SLACK_S} s (--time {self.time} = {limit} s); the checkpoint signal comes "
+                             f"{self.signal_grace_s}-{self.signal_grace_s + SIGNAL_SLACK_S} s before the end")
         if not self.deepspeed_config.is_file():
             raise ValueError(f"--deepspeed-config {self.deepspeed_config}: no such file")
         if not self.script.is_file():
@@ -133,7 +138,8 @@ def sbatch_script(spec: JobSpec) -> str:
         *([f"--gpus-per-node={spec.gpus_per_node}"] if spec.gpus_per_node else []),
         *([f"--cpus-per-task={spec.cpus_per_task}"] if spec.cpus_per_task else []),
         f"--time={spec.time}",
-        f"--chdir={spec.output_dir}",
+        # The submit directory, so that relative paths in the train arguments mean the same on a resubmission.
+        f"--chdir={spec.workdir}",
         f"--output={spec.logs_dir}/sbatch-%j.log",
         # A requeued job appends to the same logs rather than truncating the first attempt's.
         "--open-mode=append",
@@ -156,6 +162,7 @@ def sbatch_script(spec: JobSpec) -> str:
         f"REQUEUE={int(spec.requeue)}",
         f"export PYTHONPATH={q(str(REPO))}${{PYTHONPATH:+:$PYTHONPATH}}",
         'mkdir -p "$RUN_DIR/logs"',
+        'LATEST_BEFORE=$(cat "$RUN_DIR/checkpoints/latest" 2>/dev/null)',
         'echo "job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on $SLURM_JOB_NODELIST at $(date -Is)"',
         "",
         # srun runs in the background so that the shell's traps fire while the ranks train (bash runs a trap only
@@ -172,9 +179,15 @@ def sbatch_script(spec: JobSpec) -> str:
         '    kill -0 "$SRUN_PID" 2>/dev/null || break',
         "done",
         'echo "ranks exited with status $STATUS at $(date -Is)"',
-        'if [ "$SIGNALLED" = USR1 ] && [ "$STATUS" = 0 ] && [ "$REQUEUE" = 1 ]; then',
-        '    echo "requeueing job $SLURM_JOB_ID to resume from the checkpoint"',
-        '    scontrol requeue "$SLURM_JOB_ID"',
+        'LATEST_AFTER=$(cat "$RUN_DIR/checkpoints/latest" 2>/dev/null)',
+        'if [ "$SIGNALLED" = USR1 ] && [ "$REQUEUE" = 1 ]; then',
+        "    # Requeue only after progress: a run that cannot reach its next checkpoint would otherwise loop forever.",
+        '    if [ "$STATUS" = 0 ] && [ -n "$LATEST_AFTER" ] && [ "$LATEST_AFTER" != "$LATEST_BEFORE" ]; then',
+        '        echo "requeueing job $SLURM_JOB_ID to resume from checkpoint $LATEST_AFTER"',
+        '        scontrol requeue "$SLURM_JOB_ID"',
+        "    else",
+        '''        echo "not requeueing: status $STATUS, latest checkpoint '$LATEST_AFTER' (before: '$LATEST_BEFORE')"''',
+        "    fi",
         "fi",
         'exit "$STATUS"',
     ]

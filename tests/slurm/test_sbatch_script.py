@@ -1,6 +1,8 @@
 """The generated sbatch script and the submit command's validation, without a cluster."""
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ def test_multi_node_script_one_task_per_gpu(tmp_path):
     run = tmp_path / "run"
     assert directives(script) == [
         "--job-name=ds_pseudo_real", "--partition=gpu", "--nodes=64", "--ntasks-per-node=8", "--gpus-per-node=8",
-        "--cpus-per-task=10", "--time=10-00:00:00", f"--chdir={run}", f"--output={run}/logs/sbatch-%j.log",
+        "--cpus-per-task=10", "--time=10-00:00:00", f"--chdir={Path.cwd()}", f"--output={run}/logs/sbatch-%j.log",
         "--open-mode=append", "--signal=B:USR1@300", "--requeue", "--account=m6"]
     srun = script[script.index("\nsrun "):script.index(" &\n")].replace("\\\n", " ").split()
     assert srun[:6] == ["srun", "--kill-on-bad-exit=1", "--open-mode=append", f"--output={run}/logs/rank-%t.log",
@@ -64,12 +66,13 @@ def test_time_limit_seconds(value, seconds):
     (dict(tasks_per_node=4), "--tasks-per-node 4 with --gpus-per-node 8"),
     (dict(gpus_per_node=0, tasks_per_node=0), "--tasks-per-node 0: expected at least 1"),
     (dict(time="5", signal_grace_s=300), "--signal-grace 300: expected 0 <= seconds < the time limit"),
+    (dict(time="2", signal_grace_s=60), "--signal-grace 60: .* the checkpoint signal comes 60-120 s before the end"),
     (dict(train_args=["--output-dir", "x"]), "train argument --output-dir after '--'"),
     (dict(partition="gpu partition"), "--partition 'gpu partition'"),
     (dict(deepspeed_config=Path("/nonexistent.json")), "--deepspeed-config /nonexistent.json: no such file"),
 ])
 def test_validation_names_flag_and_value(tmp_path, changes, fragment):
-    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace("+", r"\+")):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         spec(tmp_path, **changes).validate()
 
 
@@ -90,3 +93,55 @@ def test_submit_cli_error_names_the_flag(tmp_path):
                           "--dry-run"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 2
     assert "--tasks-per-node 0: expected at least 1" in out.stderr
+
+
+# Stand-ins for srun and scontrol, to run the batch script's signal and requeue logic outside SLURM: srun "trains"
+# until SIGUSR1, then (if FAKE_SAVES=1) writes checkpoints/latest like the trainer and exits 0.
+FAKE_SRUN = """#!/bin/bash
+trap 'echo "srun got USR1" >>"$FAKE_CALLS"; [ "$FAKE_SAVES" = 1 ] && mkdir -p "$FAKE_RUN/checkpoints" &&
+      echo global_step7 >"$FAKE_RUN/checkpoints/latest"; exit 0' USR1
+echo "srun $*" >>"$FAKE_CALLS"
+while :; do sleep 0.05; done
+"""
+FAKE_SCONTROL = """#!/bin/bash
+echo "scontrol $*" >>"$FAKE_CALLS"
+"""
+
+
+@pytest.mark.parametrize("requeue,saves,requeued", [(True, True, True), (True, False, False), (False, True, False)])
+def test_batch_shell_forwards_usr1_and_requeues_only_after_a_new_checkpoint(tmp_path, requeue, saves, requeued):
+    bin_dir, run, calls = tmp_path / "bin", tmp_path / "run", tmp_path / "calls"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script(spec(tmp_path, output_dir=run, requeue=requeue)))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "gpu[001-064]",
+           "FAKE_CALLS": str(calls), "FAKE_RUN": str(run), "FAKE_SAVES": str(int(saves))}
+    shell = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    deadline = time.monotonic() + 30
+    while not (calls.exists() and "srun " in calls.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shell.send_signal(signal.SIGUSR1)
+    out = shell.communicate(timeout=30)[0]
+    assert shell.returncode == 0, out
+    lines = calls.read_text().splitlines()
+    assert lines[0].startswith("srun --kill-on-bad-exit=1") and "srun got USR1" in lines
+    assert "got SIGUSR1: asking the ranks to checkpoint" in out
+    assert ("scontrol requeue 123" in lines) == requeued, (lines, out)
+    if requeue and not saves:
+        assert "not requeueing: status 0, latest checkpoint '' (before: '')" in out
+
+
+def test_batch_shell_passes_the_ranks_exit_status_on(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/bash\nexit 3\n")
+    (bin_dir / "srun").chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script(spec(tmp_path, requeue=True)))
+    out = subprocess.run(["bash", str(script)], env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "5"},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 3 and "ranks exited with status 3" in out.stdout
