@@ -1,0 +1,211 @@
+"""Granular offload against no offload, ZeRO-2 full ``offload_optimizer: cpu`` and ZeRO-3 ``offload_optimizer.ratio``.
+
+Per arm: median step time, peak device memory (``torch.cuda.max_memory_allocated``, CUDA only) and losses; for the
+granular arm also the plan and the bytes the optimizer holds and moves against the plan's prediction. On CPU the
+step times say little (the "device" is the host): what counts there is exactness (the granular losses equal the
+no-offload losses with the same Adam kernel and param groups) and the accounting. Prints a table and the ratios,
+writes JSON.
+
+    python benchmarks/offload.py --layers 8 --d-model 256 --device-memory 60MB            # CPU: exactness + bytes
+    python benchmarks/offload.py --layers 24 --d-model 2048 --device-memory 20GB --arms all  # GPU: time + memory
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import RESULTS, build_gpt, init_single_process, machine_description, markdown_table, write_json  # noqa: E402
+
+ARMS = ("none", "zero2_offload", "zero3_ratio", "granular")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps after --warmup")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage of the none and granular arms")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--device-memory", default="4MB", help="granular budget per device, e.g. 20GB")
+    parser.add_argument("--max-level", default="host_optimizer")
+    parser.add_argument("--ratio", type=float, default=0.5, help="ZeRO-3 offload_optimizer.ratio")
+    parser.add_argument("--arms", default="none,granular", help=f"comma list of {ARMS} or 'all'")
+    parser.add_argument("--out", default=str(RESULTS / "offload.json"))
+    parser.add_argument("--one-arm", help=argparse.SUPPRESS)  # internal: run one arm in this process
+    return parser.parse_args(argv)
+
+
+def base_config(args, stage: int) -> Dict:
+    config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+              "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def build_arm(arm: str, args):
+    """(engine, granular optimizer or None, plan or None) for one arm, from the same seed-0 model."""
+    import deepspeed
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from ds_pseudo_real.offload import build_offload_optimizer, model_groups
+
+    torch.manual_seed(0)
+    model = build_gpt(args.layers, args.d_model, args.heads, args.seq_len)
+    if arm == "granular":
+        config = base_config(args, args.zero_stage)
+        config["granular_offload"] = {"device_memory": args.device_memory, "max_level": args.max_level}
+        optimizer, config, plan = build_offload_optimizer(model, config, "layers", int(os.environ.get("WORLD_SIZE", 1)))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        return engine, optimizer, plan
+    if arm == "none" and not torch.cuda.is_available():
+        # the same Adam kernel and the same per-layer groups as the granular arm, so losses must be identical
+        config = base_config(args, args.zero_stage)
+        params = config.pop("optimizer")["params"]
+        config.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
+        optimizer = DeepSpeedCPUAdam([{"params": ps} for ps in model_groups(model, "layers")[1]], **params)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        return engine, None, None
+    stage = {"none": args.zero_stage, "zero2_offload": 2, "zero3_ratio": 3}[arm]
+    config = base_config(args, stage)
+    if arm == "zero2_offload":
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if arm == "zero3_ratio":
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": args.ratio}
+        # several sub-groups per rank, else the ratio has nothing to split
+        total = sum(p.numel() for p in model.parameters())
+        config["zero_optimization"]["sub_group_size"] = max(1, total // (2 * args.layers))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine, None, None
+
+
+def run_arm(arm: str, args) -> Dict:
+    import time
+
+    import torch
+
+    from ds_pseudo_real.offload import describe_offload_plan
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        engine, optimizer, plan = build_arm(arm, args)
+    except torch.cuda.OutOfMemoryError as error:  # "no offload when it fits"
+        return {"arm": arm, "error": f"out of memory: {str(error).splitlines()[0]}"}
+    rank = torch.distributed.get_rank()
+    losses, times, moved = [], [], None
+    for step in range(args.warmup + args.steps):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x = torch.randint(0, 256, (args.micro_batch, args.seq_len), generator=g).to(engine.device)
+        before = optimizer.moved_bytes + (optimizer.host_params.fetched_bytes if optimizer.host_params else 0) \
+            if optimizer else 0
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = engine(x, x.roll(-1, 1))
+        engine.backward(loss)
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        if optimizer:
+            moved = optimizer.moved_bytes + (optimizer.host_params.fetched_bytes if optimizer.host_params else 0) \
+                - before
+    result = {"arm": arm, "step_s_median": statistics.median(times), "losses": losses,
+              "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+    if plan is not None:
+        held = optimizer.held_bytes()
+        result["plan"] = {"levels": plan.levels(), "table": describe_offload_plan(plan),
+                          "predicted": {"optimizer_device": plan.optimizer_device_bytes,
+                                        "optimizer_host": plan.optimizer_host_bytes,
+                                        "moved_per_step": plan.moved_bytes_per_step,
+                                        "device_total": plan.device_bytes},
+                          "measured": {"optimizer_device": held["device"], "optimizer_host": held["host"],
+                                       "moved_per_step": moved}}
+    engine.destroy()
+    del engine, optimizer
+    gc.collect()
+    return result
+
+
+def report(results: List[Dict]) -> Dict:
+    by_arm = {r["arm"]: r for r in results if "error" not in r}
+    summary: Dict[str, Optional[object]] = {}
+    if "none" in by_arm and "granular" in by_arm:
+        # bit-equal on CPU, where both arms run the same Adam kernel; on CUDA "none" runs DeepSpeed's fused Adam
+        summary["granular_losses_equal_none"] = by_arm["granular"]["losses"] == by_arm["none"]["losses"]
+        summary["max_abs_loss_difference_granular_none"] = max(
+            abs(a - b) for a, b in zip(by_arm["granular"]["losses"], by_arm["none"]["losses"]))
+    granular = by_arm.get("granular")
+    if granular:
+        summary["accounting_equal_plan"] = all(
+            granular["plan"]["measured"][k] == granular["plan"]["predicted"][k]
+            for k in ("optimizer_device", "optimizer_host", "moved_per_step"))
+        for other in ("none", "zero2_offload", "zero3_ratio"):
+            if other in by_arm:
+                summary[f"step_time_granular_over_{other}"] = granular["step_s_median"] / by_arm[other]["step_s_median"]
+                if granular["peak_device_bytes"] and by_arm[other]["peak_device_bytes"]:
+                    summary[f"peak_memory_granular_over_{other}"] = (granular["peak_device_bytes"]
+                                                                     / by_arm[other]["peak_device_bytes"])
+    return summary
+
+
+def run_isolated(arm: str, argv: List[str]) -> Dict:
+    """One arm per process: a ZeRO-3 engine leaves the process changed (after one, a plain ZeRO-2 run's losses
+    moved in the last bit), and peak memory must not carry over from an earlier arm."""
+    proc = subprocess.run([sys.executable, __file__, *argv, "--one-arm", arm], capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ARM ")]
+    if proc.returncode != 0 or not lines:
+        return {"arm": arm, "error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(lines[-1][len("ARM "):])
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.one_arm:
+        init_single_process(threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
+        print("ARM " + json.dumps(run_arm(args.one_arm, args)), flush=True)
+        return 0
+    arms = ARMS if args.arms == "all" else tuple(args.arms.split(","))
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"--arms: got {unknown}; accepted: {list(ARMS)} or 'all'")
+    results = [run_isolated(arm, argv) for arm in arms]
+    summary = report(results)
+    rows = [[r["arm"], r.get("error") or f"{r['step_s_median'] * 1000:.1f}",
+             "-" if not r.get("peak_device_bytes") else f"{r['peak_device_bytes'] / 2**20:.1f}",
+             "-" if "losses" not in r else f"{r['losses'][0]:.6f} -> {r['losses'][-1]:.6f}"] for r in results]
+    print(markdown_table(["arm", "step ms (median)", "peak device MiB", "loss first -> last"], rows))
+    for r in results:
+        if "plan" in r:
+            print(r["plan"]["table"])
+            print(f"predicted {r['plan']['predicted']}\nmeasured  {r['plan']['measured']}")
+    for key, value in summary.items():
+        print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+    path = write_json(Path(args.out), {"machine": machine_description(), "args": vars(args), "results": results,
+                                       "summary": summary})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
