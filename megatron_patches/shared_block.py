@@ -22,22 +22,23 @@ from ds_pseudo_real import sharing
 LAYERS = "layers"
 
 
-class _ExplicitDeviceToMeta(TorchFunctionMode):
-    """Sends allocations that name a device to the meta device too (Megatron passes
-    ``device=torch.cuda.current_device()`` when ``use_cpu_initialization`` is off)."""
+class _EmptyOnMeta(TorchFunctionMode):
+    """Sends ``torch.empty`` to the meta device, whatever device it names: Megatron and torch allocate every weight
+    with it and then initialise it in place. Other factories keep their device: the MoE token dispatcher, for
+    one, keeps index tensors made with ``torch.arange`` that the layer needs at run time."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if kwargs.get("device") is not None:
+        if func is torch.empty:
             kwargs["device"] = "meta"
         return func(*args, **kwargs)
 
 
 class _BuildOnMeta:
-    """Spec module that builds the wrapped spec's module with all its tensors on the meta device."""
+    """Spec module that builds the wrapped spec's module with its weights on the meta device."""
 
     def __new__(cls, *args, wrapped: ModuleSpec, **kwargs):
-        with torch.device("meta"), _ExplicitDeviceToMeta():
+        with _EmptyOnMeta():
             return build_module(wrapped, *args, **kwargs)
 
 

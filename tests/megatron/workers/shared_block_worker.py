@@ -9,6 +9,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from ds_pseudo_real import sharing
+from megatron_patches.delink import load_pseudo_dist_checkpoint
 from megatron_patches.shared_block import delink_block, shared_groups_of
 
 W = "self_attention.linear_qkv.weight"
@@ -56,7 +57,7 @@ def main():
     dist.barrier()
     dist_checkpointing.save(pseudo.sharded_state_dict(), ckpt_dir)
     target = ms.gpt(cfg, seed=1)
-    target.load_state_dict(dist_checkpointing.load(target.sharded_state_dict(), ckpt_dir))
+    load_pseudo_dist_checkpoint(target, ckpt_dir)
     with torch.no_grad():
         result["ckpt_real_logits_equal"] = torch.equal(target(tokens, pos, mask), pseudo_logits)
     result["ckpt_real_groups"] = shared_groups_of(target.decoder)
