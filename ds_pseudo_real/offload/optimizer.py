@@ -18,7 +18,7 @@ Levels (``group["level"]``):
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List
 
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -1,7 +1,8 @@
 """Train TinyLM under DeepSpeed with and without granular offload and print one JSON line of results per case.
 
 Usage (1 rank with RANK/WORLD_SIZE/... set, or under torchrun): run_training.py CASE [CASE ...]
-CASE = STAGE:DTYPE:LEVELS[:GROUPS], LEVELS one letter per parameter-owning layer then one for the rest: d device,
+CASE = delink:STAGE:PSEUDO_LEVELS:REAL_LEVELS trains the fully shared pseudo model, delinks it in the same
+process and trains the real model, each with its own plan. Otherwise CASE = STAGE:DTYPE:LEVELS[:GROUPS], LEVELS one letter per parameter-owning layer then one for the rest: d device,
 o host_optimizer, p host_params; e.g. 2:fp32:dodoo. GROUPS: train the pseudo model whose 4 layers share GROUPS sets. Results: losses of the reference (same Adam kernel, no offload) and of the
 granular run, the bytes held and moved against the plan, and a checkpoint save/load trajectory check.
 """
@@ -18,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny_model import TinyLM, batch  # noqa: E402
 
 from ds_pseudo_real.offload import build_offload_optimizer, model_groups  # noqa: E402
-from ds_pseudo_real.sharing import apply_sharing  # noqa: E402
+from ds_pseudo_real.sharing import apply_sharing, delink_layers  # noqa: E402
 
 LETTERS = {"d": "device", "o": "host_optimizer", "p": "host_params"}
 ADAM = {"lr": 1e-2, "weight_decay": 0.01, "betas": [0.9, 0.99], "eps": 1e-8}
@@ -121,13 +122,46 @@ def run_case(case, rank, world_size, checkpoint_dir):
     }
 
 
+def run_delink(case, rank, world_size):
+    """The lead's in-process transition: plan + optimizer for the pseudo model, destroy, delink, plan again."""
+    _, stage, pseudo_levels, real_levels = case.split(":")
+    stage = int(stage)
+    engine, optimizer, pseudo_plan = granular(stage, "fp32", pseudo_levels, 1, rank, world_size)
+    train(engine, rank, 0, 2)
+    model = engine.module
+    with torch.no_grad():
+        pseudo_loss = engine(*batch(2, rank)).item()
+    engine.destroy()
+    if optimizer.host_params:
+        optimizer.host_params.remove()
+    delink_layers(model, "layers")
+    config = ds_config(stage, "fp32")
+    config["granular_offload"] = {"levels": {("other" if i == len(real_levels) - 1 else str(i)): LETTERS[c]
+                                             for i, c in enumerate(real_levels)}}
+    optimizer, patched, plan = build_offload_optimizer(model, config, "layers", world_size)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
+    real_losses = train(engine, rank, 2, 2)
+    before = moved_bytes(optimizer)
+    train(engine, rank, 4, 1)
+    result = {"case": case, "rank": rank, "pseudo_levels": pseudo_plan.levels(), "levels": plan.levels(),
+              "pseudo_loss": pseudo_loss, "real_losses": real_losses, "moved": moved_bytes(optimizer) - before,
+              "held": optimizer.held_bytes(),
+              "plan": {"device": plan.optimizer_device_bytes, "host": plan.optimizer_host_bytes,
+                       "moved": plan.moved_bytes_per_step},
+              "pseudo_plan_host": pseudo_plan.optimizer_host_bytes}
+    engine.destroy()
+    return result
+
+
 def main(cases):
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     with tempfile.TemporaryDirectory() as local:
         shared = os.environ.get("OFFLOAD_TEST_DIR", local)
         for case in cases:
-            line = "RESULT " + json.dumps(run_case(case, rank, world_size, shared)) + "\n"
+            run = run_delink(case, rank, world_size) if case.startswith("delink:") else \
+                run_case(case, rank, world_size, shared)
+            line = "RESULT " + json.dumps(run) + "\n"
             os.write(1, line.encode())  # one write: the two ranks' lines must not interleave
 
 

@@ -76,3 +76,20 @@ def test_two_ranks_exact_accounted_and_resumable(tmp_path):
     # ZeRO 2 over 2 ranks: each rank steps half of every group (8416 / 2 = 4208, 4160 / 2 = 2080)
     zero2 = next(r for r in out if r["case"] == "2:fp32:dodoo")
     assert zero2["plan"] == {"device": 2 * 8 * 4208, "host": 16 * (2 * 4208 + 2080), "moved": 8 * (2 * 4208 + 2080)}
+
+
+def test_replan_at_the_delink(tmp_path):
+    """Pseudo model (one shared set) with its plan, then delinked in the same process and re-planned: the real
+    model's first loss equals the pseudo model's on the same batch, and the new optimizer holds and moves what the
+    new plan says."""
+    out = run_one_rank("delink:0:pd:dpopd", "delink:2:od:doodd", tmp_path=tmp_path)
+    for result in out:
+        assert result["real_losses"][0] == result["pseudo_loss"]
+        assert result["held"] == {"device": result["plan"]["device"], "host": result["plan"]["host"]}
+        assert result["moved"] == result["plan"]["moved"]
+        assert list(result["levels"]) == ["layer0", "layer1", "layer2", "layer3", "other"]
+    zero0 = out[0]
+    assert zero0["pseudo_levels"] == {"layer0": "host_params", "other": "device"}
+    # the pseudo model's one shared set on the host (params + grad buffer + moments, 16 B per param) vs the
+    # real model's layers 1..3 on the host
+    assert zero0["pseudo_plan_host"] == 16 * 8416 and zero0["plan"]["host"] == 3 * 16 * 8416
