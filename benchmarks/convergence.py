@@ -1,0 +1,606 @@
+"""Convergence benchmark: does Pseudo-to-Real reach the loss of training from scratch sooner, in steps and in time?
+
+Every variant of a regime trains the same model size on the same data order (a pure function of the seed and the
+step), with the same optimizer (AdamW, DeepSpeed ZeRO 0, fp32) and LR schedule (warmup + cosine), through
+``ds_pseudo_real.initialize``; runs are interleaved (seed by seed, every variant in turn) so machine noise falls on
+all of them. Two regimes:
+  dense         the demo byte-level GPT;
+  memory_bound  an M6-style expert-prototyping MoE (many experts, small hidden): parameters dwarf per-token compute,
+                so the real model's optimizer state needs CPU offload under the stated device budget and the
+                pseudo model's does not.
+Three clocks per run: steps; measured wall clock (training only, evaluation excluded, the delink included); a
+deterministic cost-model clock (each phase's median measured step time, pooled over the regime's runs, x its
+steps); and for memory_bound an offload clock (measured forward+backward + the offload planner's predicted
+transfer at a stated bandwidth + Adam on device / host at measured per-parameter rates).
+
+    python benchmarks/convergence.py            # both regimes, ~25 min on 2 busy CPU cores
+    python benchmarks/convergence.py --quick    # smoke run, ~2 min (2 seeds, fewer variants: not for conclusions)
+
+Writes benchmarks/results/convergence_<regime>.json and .png and prints the tables.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.common import (  # noqa: E402
+    RESULTS, cost_model_clock, cumulative, fmt, first_crossing, machine_description, markdown_table, median,
+    paired_differences, spread, value_at, write_json,
+)
+
+JUMP_OFFSETS = (1, 2, 5, 10, 20)  # evaluations right after the switch, to see the loss jump
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One variant. ``kind``: ``scratch`` (the real model throughout), ``pseudo_to_real`` (shared layers until
+    ``switch`` x steps, then delinked by the plugin), ``stacking`` (a ``stack_depth``-layer model until the switch,
+    then its layers stacked to full depth, Gong et al. 2019 progressive stacking)."""
+
+    name: str
+    kind: str = "scratch"
+    switch: float = 0.0
+    groups: int = 1
+    optimizer_state: str = "scale"
+    stack_depth: int = 0
+
+
+@dataclass
+class Regime:
+    name: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+    warmup: int
+    eval_interval: int
+    eval_batches: int
+    arms: List[Arm]
+    moe: Optional[Dict[str, float]] = None
+    offload: Dict[str, float] = field(default_factory=dict)
+
+
+def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
+    if quick:
+        return [Arm("scratch"), Arm("p2r@25% scale", "pseudo_to_real", 0.25), Arm("p2r@25% reset", "pseudo_to_real", 0.25,
+                optimizer_state="reset"), Arm("p2r@25% G=2", "pseudo_to_real", 0.25, groups=2),
+                Arm(f"stack {n_layer // 4}->{n_layer} @25%", "stacking", 0.25, stack_depth=n_layer // 4)]
+    return [
+        Arm("scratch"),
+        Arm("p2r@10% scale", "pseudo_to_real", 0.10),
+        Arm("p2r@25% scale", "pseudo_to_real", 0.25),
+        Arm("p2r@50% scale", "pseudo_to_real", 0.50),
+        Arm("p2r@25% copy", "pseudo_to_real", 0.25, optimizer_state="copy"),
+        Arm("p2r@25% reset", "pseudo_to_real", 0.25, optimizer_state="reset"),
+        Arm("p2r@25% G=2", "pseudo_to_real", 0.25, groups=2),
+        Arm("p2r@25% G=4", "pseudo_to_real", 0.25, groups=4),
+        Arm(f"stack {n_layer // 4}->{n_layer} @25%", "stacking", 0.25, stack_depth=n_layer // 4),
+    ]
+
+
+def memory_bound_arms(quick: bool) -> List[Arm]:
+    if quick:
+        return [Arm("scratch"), Arm("p2r@25% scale", "pseudo_to_real", 0.25)]
+    return [Arm("scratch"), Arm("p2r@10% scale", "pseudo_to_real", 0.10), Arm("p2r@25% scale", "pseudo_to_real", 0.25),
+            Arm("p2r@50% scale", "pseudo_to_real", 0.50)]
+
+
+def regimes(args) -> List[Regime]:
+    out = []
+    if args.regime in ("dense", "both"):
+        out.append(Regime(
+            "dense", args.n_layer, args.d_model, args.n_head, args.seq_len, args.batch_size,
+            args.steps or (60 if args.quick else 400), args.lr, args.warmup, args.eval_interval or (20 if args.quick else 40),
+            args.eval_batches, dense_arms(args.n_layer, args.quick),
+        ))
+    if args.regime in ("memory_bound", "both"):
+        out.append(Regime(
+            "memory_bound", args.n_layer, args.d_model, args.n_head, args.seq_len, args.batch_size,
+            args.mb_steps or (30 if args.quick else 160), args.lr, args.warmup,
+            args.eval_interval or (10 if args.quick else 25), args.eval_batches, memory_bound_arms(args.quick),
+            moe=dict(num_experts=args.experts, num_prototypes=args.prototypes, ffn=args.expert_ffn,
+                     capacity_factor=args.capacity_factor, balance_coeff=0.01),
+            offload=dict(bandwidth_gbps=args.bandwidth_gbps, budget_fraction=args.budget_fraction),
+        ))
+    return out
+
+
+# ---- one run -------------------------------------------------------------------------------------------------
+def ds_config(regime: Regime, pseudo_to_real: Dict) -> Dict:
+    return {
+        "train_micro_batch_size_per_gpu": regime.batch_size,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": regime.lr, "betas": [0.9, 0.95], "weight_decay": 0.01,
+                                                  "torch_adam": True}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": regime.steps,
+                                                           "warmup_num_steps": regime.warmup, "cos_min_ratio": 0.1}},
+        "zero_optimization": {"stage": 0},
+        "pseudo_to_real": pseudo_to_real,
+    }
+
+
+def switch_step(regime: Regime, arm: Arm) -> Optional[int]:
+    return None if arm.kind == "scratch" else max(1, round(arm.switch * regime.steps))
+
+
+def build_engine(regime: Regime, n_layer: int, seed: Optional[int], ptr: Dict):
+    import torch
+
+    import ds_pseudo_real
+    from benchmarks.common import build_gpt
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = build_gpt(n_layer, regime.d_model, regime.n_head, regime.seq_len, regime.moe)
+    engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=ds_config(regime, ptr))
+    return engine
+
+
+def stacked_name(name: str, shallow_depth: int) -> str:
+    """The shallow model's parameter a stacked-model parameter starts from: layer i <- layer i mod depth."""
+    return re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m[1]) % shallow_depth}.", name)
+
+
+def grow_by_stacking(engine, regime: Regime, shallow_depth: int):
+    """Progressive stacking: the full-depth model with layer i = shallow layer i mod depth, the Adam moments and
+    step counters copied along (each shallow layer's moments are its own, so no scaling), the LR schedule kept."""
+    from ds_pseudo_real import ds_state
+
+    old = engine.engine
+    weights, moments = ds_state.gather_full_state(old, with_moments=True)
+    counters = ds_state.step_counters(old)
+    scheduler = old.lr_scheduler.state_dict()
+    lrs = [g["lr"] for g in old.optimizer.param_groups]
+    steps = {k: getattr(old, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
+    old.destroy()
+    ptr = {"enabled": False, "layers": "layers"}
+    deep = build_engine(regime, regime.n_layer, None, ptr)
+    ds = deep.engine
+    module = ds.module
+    import torch
+
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            param.copy_(weights[stacked_name(name, shallow_depth)])
+    for key, value in steps.items():
+        setattr(ds, key, value)
+    ds.lr_scheduler.load_state_dict(scheduler)
+    for group in ds.optimizer.param_groups:
+        group["lr"] = lrs[0]
+    ds_state.seed_optimizer_state(ds, counters)
+    for name, param in module.named_parameters():
+        source = stacked_name(name, shallow_depth)
+        if source in moments:
+            ds_state.set_full_moments(ds, param, moments[source])
+    return deep
+
+
+def evaluate(engine, corpus, regime: Regime) -> float:
+    import torch
+
+    engine.eval()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(regime.eval_batches):
+            x, y = corpus.batch("val", regime.batch_size, regime.seq_len, seed=1234, step=i)
+            total += float(engine(x.to(engine.device), y.to(engine.device)))
+    engine.train()
+    return total / regime.eval_batches
+
+
+def unique_numel(module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -> Dict:
+    """Train one variant for ``regime.steps`` steps; the record holds every step's phase, times and loss."""
+    from benchmarks.common import cuda_sync
+
+    switch = switch_step(regime, arm)
+    if arm.kind == "stacking":
+        engine = build_engine(regime, arm.stack_depth, seed, {"enabled": False, "layers": "layers"})
+        first_phase = f"shallow{arm.stack_depth}"
+    else:
+        ptr = {"enabled": arm.kind == "pseudo_to_real", "layers": "layers", "groups": arm.groups,
+               "switch": {"at_step": switch or regime.steps + 1}, "optimizer_state": arm.optimizer_state}
+        engine = build_engine(regime, regime.n_layer, seed, ptr)
+        first_phase = f"pseudo_g{arm.groups}" if arm.kind == "pseudo_to_real" else "real"
+    params = {first_phase: unique_numel(engine.module)}
+    eval_steps = set(range(regime.eval_interval, regime.steps + 1, regime.eval_interval)) | {regime.steps}
+    if switch:
+        eval_steps |= {switch} | {switch + d for d in JUMP_OFFSETS if switch + d <= regime.steps}
+    phases, compute_s, optimizer_s, step_s, train_loss = [], [], [], [], []
+    evals = [(0, evaluate(engine, corpus, regime))]
+    transition = None
+    phase = first_phase
+    for step in range(regime.steps):
+        x, y = corpus.batch("train", regime.batch_size, regime.seq_len, seed=seed, step=step)
+        x, y = x.to(engine.device), y.to(engine.device)
+        cuda_sync()
+        start = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        cuda_sync()
+        middle = time.perf_counter()
+        engine.step()
+        cuda_sync()
+        end = time.perf_counter()
+        extra = 0.0
+        if arm.kind == "stacking" and step + 1 == switch:
+            engine = grow_by_stacking(engine, regime, arm.stack_depth)
+            extra = time.perf_counter() - end
+            transition = {"step": switch, "seconds": extra, "parameters_before": params[phase],
+                          "parameters_after": unique_numel(engine.module)}
+        elif engine.last_transition is not None and transition is None:
+            t = engine.last_transition
+            transition = {k: t[k] for k in ("step", "seconds", "parameters_before", "parameters_after", "optimizer_state",
+                                            "moments_carried")}
+        phases.append(phase)
+        compute_s.append(middle - start)
+        optimizer_s.append(end - middle)
+        step_s.append(end - start + extra)
+        train_loss.append(float(loss.detach()))
+        if transition is not None and phase != "real":
+            phase = "real"
+            params[phase] = unique_numel(engine.module)
+        if step + 1 in eval_steps:
+            evals.append((step + 1, evaluate(engine, corpus, regime)))
+    if verbose:
+        print(f"  [{regime.name}] seed {seed} {arm.name:<22} final val {evals[-1][1]:.4f}  train "
+              f"{sum(step_s):6.1f}s" + (f"  switch@{switch} in {transition['seconds']:.2f}s" if transition else ""),
+              flush=True)
+    engine.engine.destroy()
+    return {
+        "arm": arm.name, "seed": seed, "switch_step": switch, "parameters": params, "transition": transition,
+        "phases": phases, "compute_s": compute_s, "optimizer_s": optimizer_s, "step_s": step_s,
+        "train_loss": train_loss, "eval_steps": [s for s, _ in evals], "val_loss": [v for _, v in evals],
+    }
+
+
+# ---- clocks ----------------------------------------------------------------------------------------------------
+def phase_medians(runs: Sequence[Dict], key: str) -> Dict[str, float]:
+    """Median of ``key`` (a per-step time list) per phase, pooled over runs; the first step of each phase of each
+    run (allocation warm-up) and the step that did the switch are left out."""
+    pooled: Dict[str, List[float]] = {}
+    for run in runs:
+        switch = run["switch_step"]
+        for i, (phase, value) in enumerate(zip(run["phases"], run[key])):
+            if i == 0 or (switch is not None and i in (switch - 1, switch)):
+                continue
+            pooled.setdefault(phase, []).append(value)
+    return {phase: median(values) for phase, values in pooled.items()}
+
+
+def adam_seconds_per_parameter(numel: int, repeats: int = 5) -> Dict[str, float]:
+    """Measured Adam step time per parameter here: torch AdamW on the device (what a resident group costs) and
+    DeepSpeed's CPU Adam on the host (what an offloaded group costs), over a flat tensor of ``numel`` elements."""
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = {}
+    for where, dev, build in (("device", device, lambda p: torch.optim.AdamW([p], lr=1e-3)),
+                              ("host", torch.device("cpu"), lambda p: DeepSpeedCPUAdam([p], lr=1e-3))):
+        param = torch.nn.Parameter(torch.zeros(numel, device=dev))
+        param.grad = torch.randn(numel, device=dev)
+        optimizer = build(param)
+        times = []
+        for _ in range(repeats):
+            from benchmarks.common import cuda_sync, timed
+
+            times.append(timed(optimizer.step, cuda_sync)[1])
+        out[where] = median(times[1:]) / numel
+    return out
+
+
+def offload_step_costs(regime: Regime, runs: Sequence[Dict], compute: Dict[str, float]) -> Dict:
+    """Per phase: the offload planner's placement at the stated budget, and the predicted step time = measured
+    forward+backward + moved bytes / bandwidth + Adam on device and host at measured per-parameter rates."""
+    from ds_pseudo_real.offload.planner import (
+        PlacementLevel, TrainingSetup, estimate_activation_bytes, place, plan_placement, uniform_groups,
+    )
+
+    sizes = {}
+    for run in runs:
+        for phase, numel in run["parameters"].items():
+            sizes[phase] = numel
+    from benchmarks.common import build_gpt
+    import torch
+
+    with torch.device("meta"):
+        model = build_gpt(regime.n_layer, regime.d_model, regime.n_head, regime.seq_len, regime.moe)
+    layer = sum(p.numel() for p in model.layers[0].parameters())
+    other = sum(p.numel() for p in model.parameters()) - layer * regime.n_layer
+    activation = estimate_activation_bytes(regime.batch_size, regime.seq_len, regime.d_model, regime.n_head,
+                                           regime.n_layer, "fp32")
+    setup = TrainingSetup("fp32", 0, 1, activation, 0)
+
+    def groups_of(phase: str):
+        if phase.startswith("pseudo_g"):
+            return uniform_groups(regime.n_layer, layer, other, int(phase[len("pseudo_g"):]))
+        if phase.startswith("shallow"):
+            return uniform_groups(int(phase[len("shallow"):]), layer, other)
+        return uniform_groups(regime.n_layer, layer, other)
+
+    pseudo_resident = place(groups_of("pseudo_g1"), {}, setup).device_bytes
+    real_resident = place(groups_of("real"), {}, setup).device_bytes
+    budget = int(pseudo_resident + regime.offload["budget_fraction"] * (real_resident - pseudo_resident))
+    rates = adam_seconds_per_parameter(sizes.get("real", layer * regime.n_layer + other))
+    bandwidth = regime.offload["bandwidth_gbps"] * 1e9
+    out = {"budget_bytes": budget, "budget_rule": f"the fully shared pseudo model's all-resident bytes + "
+           f"{regime.offload['budget_fraction']} x (the real model's - the pseudo model's)", "bandwidth_bytes_per_s": bandwidth, "adam_seconds_per_parameter": rates,
+           "setup": asdict(setup), "phases": {}}
+    for phase in compute:
+        groups = groups_of(phase)
+        resident = place(groups, {}, setup, budget)
+        plan = resident if resident.fits() else plan_placement(groups, setup, budget, PlacementLevel.HOST_PARAMS)
+        host = sum(p.group.numel for p in plan.placements if p.level is not PlacementLevel.DEVICE)
+        device = sum(p.group.numel for p in plan.placements) - host
+        transfer = plan.moved_bytes_per_step / bandwidth
+        seconds = compute[phase] + device * rates["device"] + host * rates["host"] + transfer
+        out["phases"][phase] = {
+            "levels": {lvl.value: sum(p.level is lvl for p in plan.placements) for lvl in PlacementLevel},
+            "device_bytes": plan.device_bytes, "resident_device_bytes": resident.device_bytes,
+            "fits_without_offload": resident.fits(), "host_optimizer_params": host, "device_optimizer_params": device,
+            "moved_bytes_per_step": plan.moved_bytes_per_step, "compute_s": compute[phase],
+            "transfer_s": transfer, "device_adam_s": device * rates["device"], "host_adam_s": host * rates["host"],
+            "step_s": seconds,
+        }
+    return out
+
+
+# ---- the analysis ----------------------------------------------------------------------------------------------
+def loss_jump(run: Dict) -> Optional[float]:
+    """Highest validation loss in the 20 steps after the switch minus the loss at the switch (>0: it went up)."""
+    s = run["switch_step"]
+    if s is None:
+        return None
+    at = dict(zip(run["eval_steps"], run["val_loss"]))
+    after = [at[s + d] for d in JUMP_OFFSETS if s + d in at]
+    return max(after) - at[s] if after and s in at else None
+
+
+def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]]) -> Dict:
+    """Per arm and seed: steps/time to reach scratch's final validation loss (same seed), loss at equal steps and
+    at scratch's total time, loss jump; then spread over seeds and differences paired by seed against scratch."""
+    by = {(r["arm"], r["seed"]): r for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+    per_run = {}
+    for run in runs:
+        scratch = by[("scratch", run["seed"])]
+        target = scratch["val_loss"][-1]
+        row = {"final_val": run["val_loss"][-1], "loss_jump": loss_jump(run), "target": target}
+        steps_at = first_crossing(run["eval_steps"], run["val_loss"], target)
+        row["steps_to_target"] = steps_at
+        for clock, costs in clocks.items():
+            times = [0.0] + (cumulative(run["step_s"]) if costs is None else cost_model_clock(run["phases"], costs))
+            scratch_times = [0.0] + (cumulative(scratch["step_s"]) if costs is None
+                                     else cost_model_clock(scratch["phases"], costs))
+            eval_times = [times[s] for s in run["eval_steps"]]
+            row[f"{clock}_total"] = times[-1]
+            row[f"{clock}_to_target"] = None if steps_at is None else value_at(list(range(len(times))), times, steps_at)[0]
+            value, ended = value_at(eval_times, run["val_loss"], scratch_times[-1])
+            row[f"{clock}_val_at_scratch_time"] = value
+            row[f"{clock}_ended_before_scratch_time"] = ended
+        per_run[(run["arm"], run["seed"])] = row
+    arms = []
+    for arm in regime.arms:
+        rows = {s: per_run[(arm.name, s)] for s in seeds if (arm.name, s) in per_run}
+        base = {s: per_run[("scratch", s)] for s in seeds}
+        entry = {"arm": asdict(arm), "switch_step": switch_step(regime, arm), "seeds": sorted(rows)}
+        metrics = ["final_val", "loss_jump", "steps_to_target"] + [f"{c}_{m}" for c in clocks
+                                                                   for m in ("total", "to_target", "val_at_scratch_time")]
+        for metric in metrics:
+            values = {s: r[metric] for s, r in rows.items()}
+            entry[metric] = {"per_seed": values, **spread(list(values.values()))}
+            if metric in ("final_val",) or metric.endswith("val_at_scratch_time"):
+                entry[metric]["paired_minus_scratch"] = paired_differences(values, {s: b[metric] for s, b in base.items()})
+        for clock in clocks:
+            entry[f"{clock}_ended_before_scratch_time"] = sum(r[f"{clock}_ended_before_scratch_time"] for r in rows.values())
+        for metric in ["steps_to_target"] + [f"{c}_to_target" for c in clocks]:
+            scratch_metric = "steps_to_target" if metric == "steps_to_target" else metric
+            ratios = {s: (r[metric] / base[s][scratch_metric]) if r[metric] is not None and base[s][scratch_metric] else None
+                      for s, r in rows.items()}
+            entry[f"{metric}_ratio_to_scratch"] = {"per_seed": ratios, **spread(list(ratios.values()))}
+        arm_runs = [by[(arm.name, s)] for s in rows]
+        entry["step_time_median_s"] = phase_medians(arm_runs, "step_s")
+        entry["compute_time_median_s"] = phase_medians(arm_runs, "compute_s")
+        entry["optimizer_time_median_s"] = phase_medians(arm_runs, "optimizer_s")
+        entry["parameters"] = arm_runs[0]["parameters"]
+        delinks = [r["transition"]["seconds"] for r in arm_runs if r["transition"]]
+        entry["transition_seconds"] = spread(delinks)
+        arms.append(entry)
+    return {"arms": arms}
+
+
+def print_tables(regime: Regime, summary: Dict, clocks: Sequence[str], costs: Dict) -> str:
+    lines = [f"\n## {regime.name}: {regime.n_layer} layers, hidden {regime.d_model}, seq {regime.seq_len}, batch "
+             f"{regime.batch_size}, {regime.steps} steps" + (f", MoE {regime.moe}" if regime.moe else "")]
+    lines.append("cost-model step seconds per phase (pooled medians): "
+                 + ", ".join(f"{k} {v:.4f}" for k, v in sorted(costs.items())))
+    header = ["variant", "final val (mean±sd)", "Δ vs scratch, paired", "steps to target (ratio)"]
+    header += [f"{c} to target (ratio)" for c in clocks] + [f"val at scratch's {c} time Δ" for c in clocks]
+    header += ["jump at switch", "params pseudo→real"]
+    rows = []
+    for entry in summary["arms"]:
+        fv = entry["final_val"]
+        diff = fv.get("paired_minus_scratch", {})
+        row = [entry["arm"]["name"], f"{fmt(fv['mean'])}±{fmt(fv['std'])}",
+               f"{fmt(diff.get('mean'), signed=True)}±{fmt(diff.get('std'))} ({diff.get('negative', 0)}/{diff.get('n', 0)} <0)"]
+        for metric in ["steps_to_target"] + [f"{c}_to_target" for c in clocks]:
+            value, ratio = entry[metric], entry[f"{metric}_ratio_to_scratch"]
+            miss = f", {value['missing']} never" if value["missing"] else ""
+            row.append(f"{fmt(value['mean'], 0 if metric == 'steps_to_target' else 1)} "
+                       f"({fmt(ratio['mean'], 2)}±{fmt(ratio['std'], 2)}{miss})")
+        for c in clocks:
+            d = entry[f"{c}_val_at_scratch_time"]["paired_minus_scratch"]
+            row.append(f"{fmt(d['mean'], signed=True)}±{fmt(d['std'])}")
+        row.append(fmt(entry["loss_jump"]["mean"], signed=True))
+        row.append("→".join(f"{v:,}" for v in entry["parameters"].values()))
+        rows.append(row)
+    lines.append(markdown_table(header, rows))
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def plot(regime: Regime, runs: List[Dict], clocks: Dict[str, Optional[Dict[str, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("steps", None)] + list(clocks.items())
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), sharey=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3
+    scratch_runs = [r for r in runs if r["arm"] == "scratch"]
+    top = max(sum(r["val_loss"][i] for r in scratch_runs) / len(scratch_runs)
+              for i in range(len(scratch_runs[0]["val_loss"])) if scratch_runs[0]["eval_steps"][i] >= 0.15 * regime.steps)
+    bottom = min(min(r["val_loss"]) for r in runs)
+    for ax, (clock, costs) in zip(axes, panels):
+        for color, arm in zip(colors, regime.arms):
+            arm_runs = [r for r in runs if r["arm"] == arm.name]
+            if not arm_runs:
+                continue
+            xs_all, ys = [], []
+            for r in arm_runs:
+                if clock == "steps":
+                    xs = r["eval_steps"]
+                else:
+                    t = [0.0] + (cumulative(r["step_s"]) if costs is None else cost_model_clock(r["phases"], costs))
+                    xs = [t[s] for s in r["eval_steps"]]
+                xs_all.append(xs)
+                ys.append(r["val_loss"])
+            n = min(len(y) for y in ys)
+            mean_x = [sum(x[i] for x in xs_all) / len(xs_all) for i in range(n)]
+            mean_y = [sum(y[i] for y in ys) / len(ys) for i in range(n)]
+            style = "-" if arm.kind != "stacking" else "--"
+            ax.plot(mean_x, mean_y, style, color=color, label=arm.name, linewidth=1.4 if arm.kind != "scratch" else 2.4)
+            s = switch_step(regime, arm)
+            if s is not None and s in arm_runs[0]["eval_steps"]:
+                i = arm_runs[0]["eval_steps"].index(s)
+                ax.plot([mean_x[i]], [mean_y[i]], "v", color=color, markersize=8)
+        ax.set_xlabel({"steps": "step", "wall": "measured wall-clock s (training only)",
+                       "cost": "cost-model s (phase median x steps)",
+                       "offload": "offload-model s (predicted at budget)"}.get(clock, clock))
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom - 0.02, top + 0.02)
+    axes[0].set_ylabel("validation loss (nats/byte)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{regime.name}: validation loss, mean over seeds; ▼ = switch")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_regime(regime: Regime, seeds: Sequence[int], corpus, out_dir: Path, tag: str,
+               runs: Optional[List[Dict]] = None, elapsed: float = 0.0, machine: Optional[Dict] = None) -> Dict:
+    """Train every variant (unless ``runs`` are given, from an earlier results file), then analyse and plot."""
+    path = out_dir / f"convergence_{regime.name}{tag}.json"
+    started = time.perf_counter() - elapsed
+    machine = machine or machine_description()
+    if runs is None:
+        print(f"\n# regime {regime.name}: {len(regime.arms)} variants x {len(seeds)} seeds, {regime.steps} steps each",
+              flush=True)
+        runs = []
+        for seed in seeds:  # interleaved: every variant of a seed before the next seed
+            for arm in regime.arms:
+                runs.append(run_arm(regime, arm, seed, corpus))
+        write_json(path, {"regime": asdict(regime), "seeds": list(seeds), "machine": machine,
+                          "elapsed_s": time.perf_counter() - started, "runs": runs})  # kept if the analysis fails
+    step_cost = phase_medians(runs, "step_s")
+    clocks: Dict[str, Optional[Dict[str, float]]] = {"wall": None, "cost": step_cost}
+    offload = None
+    if regime.moe is not None:
+        offload = offload_step_costs(regime, runs, phase_medians(runs, "compute_s"))
+        clocks["offload"] = {phase: v["step_s"] for phase, v in offload["phases"].items()}
+    summary = analyse(regime, runs, clocks)
+    table = print_tables(regime, summary, list(clocks), step_cost)
+    if offload:
+        for phase, v in offload["phases"].items():
+            print(f"offload model {phase}: fits without offload {v['fits_without_offload']}, levels {v['levels']}, "
+                  f"compute {v['compute_s']:.4f}s + transfer {v['transfer_s']:.4f}s + device Adam {v['device_adam_s']:.4f}s"
+                  f" + host Adam {v['host_adam_s']:.4f}s = {v['step_s']:.4f}s", flush=True)
+    payload = {
+        "regime": asdict(regime), "seeds": list(seeds), "machine": machine,
+        "elapsed_s": time.perf_counter() - started, "cost_model_step_s": step_cost, "offload_model": offload,
+        "clocks": {k: ("measured" if v is None else v) for k, v in clocks.items()},
+        "summary": summary, "table_markdown": table, "runs": runs,
+    }
+    write_json(path, payload)
+    plot(regime, runs, {k: v for k, v in clocks.items()}, out_dir / f"convergence_{regime.name}{tag}.png")
+    print(f"wrote {path} and {path.with_suffix('.png')} ({payload['elapsed_s']:.0f}s)", flush=True)
+    return payload
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: fewer steps, variants and seeds (~2 min)")
+    p.add_argument("--regime", choices=("dense", "memory_bound", "both"), default="both")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per variant (default 3, quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="dense steps (default 400, quick 60)")
+    p.add_argument("--mb-steps", type=int, default=None, help="memory-bound steps (default 160, quick 30)")
+    p.add_argument("--n-layer", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--eval-interval", type=int, default=None)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--experts", type=int, default=128, help="memory-bound: experts per layer")
+    p.add_argument("--prototypes", type=int, default=4, help="memory-bound: expert prototypes (k top-1)")
+    p.add_argument("--expert-ffn", type=int, default=64, help="memory-bound: expert hidden size")
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--bandwidth-gbps", type=float, default=12.0,
+                   help="memory-bound offload model: host<->device GB/s (12: PCIe 3 x16, the paper's V100 era)")
+    p.add_argument("--budget-fraction", type=float, default=0.5,
+                   help="memory-bound offload model: device budget = pseudo model's bytes + this x (real's - pseudo's)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared machine)")
+    p.add_argument("--corpus-bytes", type=int, default=4 << 20)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--reanalyse", action="store_true",
+                   help="no training: analyse and plot the runs stored in the results files again")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from benchmarks.common import init_single_process
+
+    init_single_process(args.threads)
+    from ds_pseudo_real.data import ByteCorpus
+
+    seeds = list(range(args.seeds or (2 if args.quick else 3)))
+    tag = "_quick" if args.quick else ""
+    corpus = None if args.reanalyse else ByteCorpus(max_bytes=args.corpus_bytes)
+    for regime in regimes(args):
+        if args.reanalyse:
+            import json
+
+            stored = json.loads((args.out / f"convergence_{regime.name}{tag}.json").read_text())
+            stored_regime = dict(stored["regime"], arms=[Arm(**a) for a in stored["regime"]["arms"]])
+            run_regime(Regime(**stored_regime), stored["seeds"], None, args.out, tag, stored["runs"],
+                       stored["elapsed_s"], stored["machine"])
+        else:
+            run_regime(regime, seeds, corpus, args.out, tag)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

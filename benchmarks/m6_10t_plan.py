@@ -1,0 +1,135 @@
+"""Does M6-10T fit? Its parameter counts (built on the meta device) and the per-GPU memory on 512 x 32 GB for the
+pseudo and the real model, per ZeRO choice and expert-parallel layout, without and with granular offload.
+
+The architecture is ``ds_pseudo_real.moe.architecture.M6_10T`` (48 layers, hidden 1024, 10,240 experts of FFN 9984
+in 80 prototypes; vocabulary and sequence length are choices), the byte model and the placement are the offload
+planner's (``ds_pseudo_real.offload.planner``). Per GPU: each layer owns its experts / EP plus its dense part
+(attention, norms, router), which is counted on every GPU and partitioned by ZeRO only over the D = world / EP
+ranks that hold the same experts (conservative for the dense part: 14.7M of a layer's 424M per GPU at EP 512).
+The planner keeps each layer's gradients on the device at every level. V100s have no bf16:
+"bf16" stands for 16-bit weights (fp16 costs the same bytes).
+
+    python benchmarks/m6_10t_plan.py           # a few seconds; writes benchmarks/results/m6_10t_plan.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.common import RESULTS, markdown_table, write_json  # noqa: E402
+
+SETUPS = (("bf16", 1), ("bf16", 2), ("fp32", 0))  # (working dtype, ZeRO stage) the planner models
+
+
+def meta_counts(arch, groups: Optional[int]) -> int:
+    from ds_pseudo_real.moe.architecture import build_meta_model
+    from ds_pseudo_real.sharing import parameter_count
+
+    return parameter_count(build_meta_model(arch, groups))
+
+
+def plan_row(arch, stage: str, expert_parallel: int, world: int, dtype: str, zero: int, budget: int, reserved: int,
+             micro_batch: int) -> Dict:
+    from ds_pseudo_real.moe.architecture import embedding_parameters, layer_parameter_counts
+    from ds_pseudo_real.offload.planner import (
+        PlacementLevel, PlanError, TrainingSetup, estimate_activation_bytes, layer_groups, place, plan_placement,
+    )
+
+    groups_arg = 1 if stage == "pseudo" else None
+    counts = layer_parameter_counts(arch, groups_arg, expert_parallel)
+    uses = [arch.num_layers if stage == "pseudo" else 1] * len(counts)
+    owned = [(n, u) for n, u in zip(counts, uses) if n]
+    groups = layer_groups([n for n, _ in owned], embedding_parameters(arch), [u for _, u in owned])
+    dp = world // expert_parallel
+    activation = estimate_activation_bytes(micro_batch, arch.seq_length, arch.hidden_size, arch.num_heads,
+                                           arch.num_layers, dtype, checkpointing=True)
+    setup = TrainingSetup(dtype, zero, dp, activation, reserved)
+    resident = place(groups, {}, setup, budget)
+    row = {
+        "stage": stage, "expert_parallel": expert_parallel, "data_parallel": dp, "dtype": dtype, "zero_stage": zero,
+        "parameters_per_gpu": sum(g.numel for g in groups), "activation_bytes": activation,
+        "resident_device_bytes": resident.device_bytes, "fits_without_offload": resident.fits(),
+    }
+    try:
+        plan = resident if resident.fits() else plan_placement(groups, setup, budget, PlacementLevel.HOST_PARAMS)
+        row.update(
+            granular_fits=True,
+            levels={lvl.value: sum(p.level is lvl for p in plan.placements) for lvl in PlacementLevel},
+            device_bytes=plan.device_bytes, host_bytes=plan.host_bytes, moved_bytes_per_step=plan.moved_bytes_per_step,
+        )
+    except PlanError as error:
+        # the furthest placement the planner allows, to say how far from the budget it is
+        furthest = PlacementLevel.HOST_PARAMS if setup.supports_host_params else PlacementLevel.HOST_OPTIMIZER
+        floor = place(groups, {g.name: (furthest if g.is_layer else PlacementLevel.HOST_OPTIMIZER) for g in groups},
+                      setup, budget)
+        row.update(granular_fits=False, device_bytes=floor.device_bytes, host_bytes=floor.host_bytes,
+                   moved_bytes_per_step=floor.moved_bytes_per_step, levels={furthest.value: "all layers"},
+                   error=str(error))
+    return row
+
+
+def gb(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 2**30:,.1f}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=512, help="GPUs")
+    p.add_argument("--gpu-memory-gib", type=float, default=32.0)
+    p.add_argument("--reserved-gib", type=float, default=2.0, help="kept free per GPU (allocator, buffers)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--expert-parallel", type=int, nargs="+", default=[512, 64])
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+
+    from ds_pseudo_real.moe.architecture import M6_10T, total_parameters
+
+    arch = M6_10T
+    counts = {
+        "real_meta": meta_counts(arch, None), "pseudo_meta": meta_counts(arch, 1),
+        "real_arithmetic": total_parameters(arch), "pseudo_arithmetic": total_parameters(arch, 1),
+        "expert_parameters": arch.num_layers * arch.num_experts * 2 * arch.hidden_size * arch.expert_ffn_size,
+    }
+    budget = int(args.gpu_memory_gib * 2**30)
+    reserved = int(args.reserved_gib * 2**30)
+    rows: List[Dict] = []
+    for stage in ("pseudo", "real"):
+        for ep in args.expert_parallel:
+            for dtype, zero in SETUPS:
+                rows.append(plan_row(arch, stage, ep, args.world, dtype, zero, budget, reserved, args.micro_batch))
+    print(f"M6-10T ({arch}):\n  real model {counts['real_meta']:,} parameters (meta device; arithmetic "
+          f"{counts['real_arithmetic']:,}; experts {counts['expert_parameters']:,})\n  pseudo model (one shared layer) "
+          f"{counts['pseudo_meta']:,} parameters; real / pseudo = {counts['real_meta'] / counts['pseudo_meta']:.1f}")
+    header = ["stage", "EP x D", "dtype, ZeRO", "params/GPU", "all on GPU GiB", "fits 32 GiB",
+              "granular: GPU GiB", "host GiB/GPU", "host GiB/node", "moved GiB/step", "levels"]
+    table_rows = []
+    for r in rows:
+        levels = ", ".join(f"{k} {v}" for k, v in r["levels"].items() if v)
+        table_rows.append([
+            r["stage"], f"{r['expert_parallel']} x {r['data_parallel']}", f"{r['dtype']}, {r['zero_stage']}",
+            f"{r['parameters_per_gpu'] / 1e9:.2f}B", gb(r["resident_device_bytes"]),
+            "yes" if r["fits_without_offload"] else "no",
+            gb(r["device_bytes"]) + ("" if r["granular_fits"] else " (no plan fits)"),
+            gb(r["host_bytes"]), gb(r["host_bytes"] * args.gpus_per_node), gb(r["moved_bytes_per_step"]), levels,
+        ])
+    table = markdown_table(header, table_rows)
+    print(f"\nper GPU on {args.world} x {args.gpu_memory_gib:g} GiB ({args.reserved_gib:g} GiB reserved, activations "
+          f"with full checkpointing, micro-batch {args.micro_batch}, seq {arch.seq_length}):\n{table}")
+    path = write_json(args.out / "m6_10t_plan.json", {
+        "architecture": vars(arch) if hasattr(arch, "__dict__") else str(arch), "parameters": counts,
+        "world": args.world, "gpu_memory_bytes": budget, "reserved_bytes": reserved, "rows": rows,
+        "table_markdown": table,
+    })
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The benchmarks' arithmetic and code paths: clocks, steps-to-target, paired differences, the analysis of synthetic
+runs, the M6 MoE layer against a direct computation, progressive stacking on a DeepSpeed engine, the M6-10T count.
+No timing is asserted: speed figures are ratios the benchmarks measure side by side."""
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import common, convergence  # noqa: E402
+
+
+def test_cost_model_clock_charges_each_phase_its_cost():
+    clock = common.cost_model_clock(["pseudo", "pseudo", "real", "real", "real"], {"pseudo": 0.5, "real": 2.0})
+    assert clock == [0.5, 1.0, 3.0, 5.0, 7.0]
+    with pytest.raises(KeyError, match="shallow"):
+        common.cost_model_clock(["shallow"], {"real": 1.0})
+
+
+def test_first_crossing_interpolates_and_reports_never():
+    steps, losses = [0, 10, 20, 30], [3.0, 2.0, 1.5, 1.0]
+    assert common.first_crossing(steps, losses, 1.75) == pytest.approx(15.0)
+    assert common.first_crossing(steps, losses, 1.5) == pytest.approx(20.0)
+    assert common.first_crossing(steps, losses, 3.5) == 0.0
+    assert common.first_crossing(steps, losses, 0.9) is None
+    # the FIRST crossing, even if the curve goes back up later
+    assert common.first_crossing([0, 1, 2, 3], [2.0, 1.0, 3.0, 0.5], 1.2) == pytest.approx(0.8)
+
+
+def test_value_at_interpolates_and_flags_a_curve_that_ended():
+    assert common.value_at([0, 10, 20], [3.0, 2.0, 1.0], 15) == (pytest.approx(1.5), False)
+    assert common.value_at([0, 10, 20], [3.0, 2.0, 1.0], 20) == (1.0, False)
+    assert common.value_at([0, 10, 20], [3.0, 2.0, 1.0], 25) == (1.0, True)
+
+
+def test_paired_differences_match_seed_by_seed():
+    arm = {0: 1.70, 1: 1.80, 2: None}
+    base = {0: 1.75, 1: 1.78, 2: 1.70, 3: 1.60}
+    out = common.paired_differences(arm, base)
+    assert out["seeds"] == [0, 1]
+    assert out["differences"] == pytest.approx([-0.05, 0.02])
+    assert out["mean"] == pytest.approx(-0.015)
+    assert out["std"] == pytest.approx(math.sqrt((0.035**2 + 0.035**2) / 1))
+    assert out["negative"] == 1
+    assert common.spread([None, None])["n"] == 0
+
+
+def _run(arm, seed, evals, phases, step_s, switch=None):
+    return {"arm": arm, "seed": seed, "switch_step": switch, "parameters": {"real": 10}, "transition": None,
+            "phases": phases, "compute_s": step_s, "optimizer_s": [0.0] * len(step_s), "step_s": step_s,
+            "train_loss": [0.0] * len(step_s), "eval_steps": [s for s, _ in evals], "val_loss": [v for _, v in evals]}
+
+
+def test_analysis_of_synthetic_runs():
+    """Scratch ends at 1.0 after 4 steps of 1 s; the arm reaches 1.0 at step 2 (pseudo steps cost 0.5 s, measured
+    time 0.6 s): steps ratio 0.5, cost-model ratio (0.5 + 0.5) / 4, the jump at its switch is +0.2."""
+    regime = convergence.Regime("t", 2, 8, 2, 4, 1, 4, 1e-3, 1, 1, 1, [convergence.Arm("scratch"),
+                                convergence.Arm("p2r", "pseudo_to_real", 0.25)])
+    scratch = _run("scratch", 0, [(0, 3.0), (1, 2.0), (2, 1.5), (3, 1.2), (4, 1.0)], ["real"] * 4, [1.0] * 4)
+    arm = _run("p2r", 0, [(0, 3.0), (1, 1.2), (2, 1.0), (3, 0.9), (4, 0.8)], ["pseudo_g1", "pseudo_g1", "real", "real"],
+               [0.6, 0.6, 1.0, 1.0], switch=1)
+    clocks = {"wall": None, "cost": {"pseudo_g1": 0.5, "real": 1.0}}
+    summary = convergence.analyse(regime, [scratch, arm], clocks)
+    by = {e["arm"]["name"]: e for e in summary["arms"]}
+    p2r = by["p2r"]
+    assert p2r["steps_to_target"]["mean"] == pytest.approx(2.0)
+    assert p2r["steps_to_target_ratio_to_scratch"]["mean"] == pytest.approx(0.5)
+    assert p2r["cost_to_target"]["mean"] == pytest.approx(1.0)
+    assert p2r["cost_to_target_ratio_to_scratch"]["mean"] == pytest.approx(0.25)
+    assert p2r["wall_to_target"]["mean"] == pytest.approx(1.2)
+    assert p2r["final_val"]["paired_minus_scratch"]["mean"] == pytest.approx(-0.2)
+    # the arm's 4 steps cost 3 s: by scratch's total (4 s) it had ended, at its final loss
+    assert p2r["cost_val_at_scratch_time"]["mean"] == pytest.approx(0.8)
+    assert p2r["cost_ended_before_scratch_time"] == 1
+    # scratch's own curve at its own total time
+    assert by["scratch"]["cost_val_at_scratch_time"]["mean"] == pytest.approx(1.0)
+    assert p2r["loss_jump"]["mean"] == pytest.approx(-0.2)  # highest val in the steps after the switch - val at it
+    assert by["scratch"]["steps_to_target_ratio_to_scratch"]["mean"] == pytest.approx(1.0)
+
+
+def test_phase_medians_skip_first_and_switch_steps():
+    run = _run("p2r", 0, [(0, 1.0)], ["pseudo_g1"] * 3 + ["real"] * 3, [9.0, 1.0, 50.0, 60.0, 2.0, 2.0], switch=3)
+    assert convergence.phase_medians([run], "step_s") == {"pseudo_g1": 1.0, "real": 2.0}
+
+
+def test_stacked_name_maps_layers_modulo_the_shallow_depth():
+    assert convergence.stacked_name("layers.5.attn.qkv.weight", 2) == "layers.1.attn.qkv.weight"
+    assert convergence.stacked_name("layers.12.moe.w1", 4) == "layers.0.moe.w1"
+    assert convergence.stacked_name("tok_emb.weight", 2) == "tok_emb.weight"
+
+
+def test_m6_moe_layer_equals_direct_per_token_computation():
+    """With capacity for every token, each token's output is the sum over prototypes of its chosen expert's
+    gated output (gate = its softmax score within the prototype)."""
+    torch.manual_seed(0)
+    moe_cls = common._moe_classes()[0]
+    moe = moe_cls(d_model=8, ffn=16, num_experts=8, num_prototypes=2, capacity_factor=8.0)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(2, 5, 8)
+    out = moe(x)
+    flat = x.reshape(-1, 8)
+    scores = torch.softmax(moe.router(flat).view(-1, 2, 4), dim=-1)
+    expected = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        for proto in range(2):
+            e_local = int(scores[t, proto].argmax())
+            e = proto * 4 + e_local
+            h = torch.nn.functional.gelu(flat[t] @ moe.w1[e]) @ moe.w2[e]
+            expected[t] += scores[t, proto, e_local] * h
+    torch.testing.assert_close(out.reshape(-1, 8), expected, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert moe.w1.grad is not None and moe.router.weight.grad.abs().sum() > 0
+
+
+def test_m6_moe_layer_drops_tokens_over_capacity():
+    torch.manual_seed(0)
+    moe = common._moe_classes()[0](d_model=4, ffn=4, num_experts=2, num_prototypes=1, capacity_factor=0.5)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0] += 1.0  # every token prefers expert 0 when its features sum positive
+    x = torch.ones(1, 8, 4)
+    out = moe(x)
+    # capacity = ceil(0.5 * 8 / 2) = 2: only two of the eight tokens get an output
+    assert int((out.abs().sum(-1) > 0).sum()) == 2
+
+
+def test_progressive_stacking_on_a_deepspeed_engine():
+    """Grow a 1-layer engine after 2 steps into a 2-layer one: layer 1 = layer 0, Adam moments and step count
+    carried, LR schedule position kept, and training goes on."""
+    common.init_single_process()
+    from ds_pseudo_real import ds_state
+    from ds_pseudo_real.data import ByteCorpus
+
+    regime = convergence.Regime("t", 2, 16, 2, 8, 2, 6, 1e-2, 2, 3, 1, [])
+    engine = convergence.build_engine(regime, 1, 0, {"enabled": False, "layers": "layers"})
+    corpus = ByteCorpus(max_bytes=1 << 18)
+    for step in range(2):
+        x, y = corpus.batch("train", 2, 8, seed=0, step=step)
+        engine.backward(engine(x, y))
+        engine.step()
+    lr = engine.optimizer.param_groups[0]["lr"]
+    shallow = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    moments = ds_state.full_moments(engine.engine, dict(engine.module.named_parameters())["layers.0.fc.weight"])
+    deep = convergence.grow_by_stacking(engine, regime, 1)
+    params = dict(deep.module.named_parameters())
+    assert len(deep.module.layers) == 2 and deep.global_steps == 2
+    torch.testing.assert_close(params["layers.1.fc.weight"], shallow["layers.0.fc.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(params["tok_emb.weight"], shallow["tok_emb.weight"], rtol=0, atol=0)
+    carried = ds_state.full_moments(deep.engine, params["layers.1.fc.weight"])
+    torch.testing.assert_close(carried["exp_avg_sq"], moments["exp_avg_sq"], rtol=0, atol=0)
+    assert deep.optimizer.param_groups[0]["lr"] == pytest.approx(lr)
+    x, y = corpus.batch("train", 2, 8, seed=0, step=2)
+    deep.backward(deep(x, y))
+    deep.step()
+    assert deep.global_steps == 3
+    assert not torch.equal(params["layers.1.fc.weight"], params["layers.0.fc.weight"])
+    deep.engine.destroy()
