@@ -182,14 +182,14 @@ class PseudoToRealController:
         optimizer = self._optimizer_factory
         ds_config = self.ds_config
         if "granular_offload" in self.full_ds_config:
-            from .offload import build_offload_optimizer, describe_plan
+            from .offload import build_offload_optimizer, describe_offload_plan
 
             world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
             client, ds_config, plan = build_offload_optimizer(model, self.full_ds_config, self.layer_path, world)
             if client is not None:
                 optimizer, params = client, None
                 self.offload_plan = plan
-                log_rank0(f"granular offload plan for the {self.state.stage} model:\n{describe_plan(plan)}")
+                log_rank0(f"granular offload plan for the {self.state.stage} model:\n{describe_offload_plan(plan)}")
         engine, opt, loader, scheduler = deepspeed.initialize(
             model=model,
             model_parameters=params,
