@@ -135,40 +135,38 @@ def _write_moments(module: torch.nn.Module, optimizer, source: Callable[[str], T
 def delink_in_process(
     model_chunks: Sequence[torch.nn.Module],
     optimizer,
-    build_real: Callable[[], List[torch.nn.Module]],
-    wrap: Callable[[List[torch.nn.Module]], Tuple[List[torch.nn.Module], object]],
+    build_wrapped: Callable[[], Tuple[List[torch.nn.Module], object]],
     policy: str = OptimizerStatePolicy.COPY.value,
 ):
     """Replace the pseudo model (Megatron-DDP-wrapped chunks) and its optimizer by the real ones; same outputs.
 
-    ``build_real()`` returns the bare real modules (same config, plain TransformerBlock), ``wrap(modules)`` wraps
-    them the way the run does (DDP, optimizer, the config's grad-sync hooks) and returns ``(chunks, optimizer)``.
-    Adam's moments follow ``policy``: ``copy`` (every layer starts from the shared moments), ``scale`` (divided by
-    the layers that shared them, squared for the second moment) or ``reset``; the step count is kept except on
-    ``reset``. Call it on every rank at the same iteration, between optimizer steps.
+    ``build_wrapped()`` builds the real model (same config, plain TransformerBlock) wrapped the way the run wraps
+    it, with a fresh optimizer, and returns ``(chunks, optimizer)`` (Megatron-LM: ``setup_model_and_optimizer``).
+    The pseudo weights are loaded into it (state-dict keys are the same: the shared block keeps every layer's
+    name), then Adam's moments follow ``policy``: ``copy`` (every layer starts from the shared moments), ``scale``
+    (divided by the number of layers that shared them, squared for the second moment) or ``reset``; the step
+    count is kept except on ``reset``. Call it on every rank at the same iteration, between optimizer steps.
     """
     policy = OptimizerStatePolicy(policy).value
     pseudo_modules = [chunk.module for chunk in model_chunks]
-    moments = {} if policy == OptimizerStatePolicy.RESET.value else [
-        _read_moments(m, optimizer) for m in pseudo_modules]
-    real_modules = build_real()
-    for pseudo, real in zip(pseudo_modules, real_modules):
-        real.load_state_dict(pseudo.state_dict(), strict=True)
-    new_chunks, new_optimizer = wrap(real_modules)
-    if policy != OptimizerStatePolicy.RESET.value:
-        for pseudo, real, chunk_moments in zip(pseudo_modules, [c.module for c in new_chunks], moments):
-            named = dict(pseudo.named_parameters(remove_duplicate=False))
-            uses: Dict[int, int] = {}
-            for param in named.values():
-                uses[id(param)] = uses.get(id(param), 0) + 1
+    carry = policy != OptimizerStatePolicy.RESET.value
+    moments = [_read_moments(m, optimizer) for m in pseudo_modules] if carry else []
+    new_chunks, new_optimizer = build_wrapped()
+    for pseudo, chunk in zip(pseudo_modules, new_chunks):
+        chunk.module.load_state_dict(pseudo.state_dict(), strict=True)
+    new_optimizer.reload_model_params()  # main (fp32) copies of bf16/fp16 weights follow the loaded weights
+    for pseudo, chunk, chunk_moments in zip(pseudo_modules, new_chunks, moments):
+        named = dict(pseudo.named_parameters(remove_duplicate=False))
+        uses: Dict[int, int] = {}
+        for param in named.values():
+            uses[id(param)] = uses.get(id(param), 0) + 1
 
-            def source(name, named=named, uses=uses, chunk_moments=chunk_moments):
-                shared = named[name]
-                state = chunk_moments.get(id(shared))
-                if state is None:
-                    return None
-                carried = member_moments(policy, {k: state[k] for k in MOMENTS}, uses[id(shared)])
-                return carried, state["step"]
+        def source(name, named=named, uses=uses, chunk_moments=chunk_moments):
+            shared = named[name]
+            state = chunk_moments.get(id(shared))
+            if state is None:
+                return None
+            return member_moments(policy, {k: state[k] for k in MOMENTS}, uses[id(shared)]), state["step"]
 
-            _write_moments(real, new_optimizer, source)
+        _write_moments(chunk.module, new_optimizer, source)
     return new_chunks, new_optimizer

@@ -18,6 +18,21 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from ds_pseudo_real.moe import routing
 
 
+def check_router_config(config, num_prototypes: int) -> None:
+    """The TransformerConfig an expert-prototyping router needs; errors name Megatron's flags."""
+    routing.check_prototypes(config.num_moe_experts, num_prototypes)
+    if config.moe_router_topk != num_prototypes:
+        raise ValueError(
+            f"--moe-router-topk must equal --m6-expert-prototypes (every token visits one expert per prototype); "
+            f"got topk {config.moe_router_topk} and {num_prototypes} prototypes"
+        )
+    if config.moe_router_load_balancing_type != "none":
+        raise ValueError(
+            f"--moe-router-load-balancing-type must be 'none' with expert prototyping (its balance loss is per "
+            f"prototype, weighted by --moe-aux-loss-coeff); got {config.moe_router_load_balancing_type!r}"
+        )
+
+
 class ExpertPrototypingRouter(TopKRouter):
     """Top-1 inside each of ``num_prototypes`` groups of experts; the MoE layer sums the k gated outputs.
 
@@ -26,17 +41,7 @@ class ExpertPrototypingRouter(TopKRouter):
     """
 
     def __init__(self, config, pg_collection=None, num_prototypes: int = 1):
-        routing.check_prototypes(config.num_moe_experts, num_prototypes)
-        if config.moe_router_topk != num_prototypes:
-            raise ValueError(
-                f"--moe-router-topk must equal --m6-expert-prototypes (every token visits one expert per prototype); "
-                f"got topk {config.moe_router_topk} and {num_prototypes} prototypes"
-            )
-        if config.moe_router_load_balancing_type != "none":
-            raise ValueError(
-                f"--moe-router-load-balancing-type must be 'none' with expert prototyping (its balance loss is "
-                f"per prototype, weighted by --moe-aux-loss-coeff); got {config.moe_router_load_balancing_type!r}"
-            )
+        check_router_config(config, num_prototypes)
         super().__init__(config=config, pg_collection=pg_collection)
         self.num_prototypes = num_prototypes
 
@@ -79,3 +84,17 @@ def m6_layer_spec(num_experts: int, num_prototypes: int) -> ModuleSpec:
     """megatron.core's local (no Transformer Engine) GPT layer spec with an M6 expert-prototyping MoE."""
     return use_prototyping_router(get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False),
                                   num_prototypes)
+
+
+def use_prototyping_routers(model: torch.nn.Module, num_prototypes: int) -> int:
+    """Turn every TopKRouter of a built model into an expert-prototyping one, in place; returns how many.
+
+    For models whose spec the caller does not control (the drop-in ``run``). Only the routing function changes,
+    so the router keeps its Parameters (and their sharing in a pseudo model) and its state-dict keys.
+    """
+    routers = [m for m in model.modules() if type(m) is TopKRouter]
+    for router in routers:
+        check_router_config(router.config, num_prototypes)
+        router.__class__ = ExpertPrototypingRouter
+        router.num_prototypes = num_prototypes
+    return len(routers)

@@ -64,7 +64,7 @@ def main():
             result["pre_switch_eval"] = evaluate()
             shared = {k: v.clone() for k, v in _read_moments(chunks[0].module, optimizer)[
                 id(chunks[0].module.get_parameter(QKV.format(0)))].items()}
-            chunks, optimizer = delink_in_process(chunks, optimizer, lambda: [ms.gpt(cfg, spec, seed=3)], wrap, policy)
+            chunks, optimizer = delink_in_process(chunks, optimizer, lambda: wrap([ms.gpt(cfg, spec, seed=3)]), policy)
             result["post_switch_eval"] = evaluate()
             real = chunks[0].module
             result["real_params"] = sharing.parameter_count(real)
