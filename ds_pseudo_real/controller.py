@@ -29,6 +29,7 @@ from .sharing import (
     get_layer_list,
     group_leader,
     layer_index_of,
+    parameter_like,
     sharing_groups,
 )
 from .transition import StageTransitionCallback, member_moments, rewarmup_factor
@@ -60,7 +61,7 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
             if param is None:
                 continue
             if id(param) not in replaced:
-                replaced[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+                replaced[id(param)] = parameter_like(param, torch.empty_like(param, device="meta"))
             module._parameters[name] = replaced[id(param)]
     return skeleton
 
@@ -73,7 +74,7 @@ def materialize(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]])
             if param is None:
                 continue
             if id(param) not in made:
-                made[id(param)] = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad)
+                made[id(param)] = parameter_like(param, torch.empty_like(param, device="cpu"))
             module._parameters[name] = made[id(param)]
     if weights is not None:
         names = [name for name, _ in skeleton.named_parameters()]

@@ -86,6 +86,14 @@ def apply_sharing(model: nn.Module, path: str, groups: int = 1) -> nn.Module:
     return model
 
 
+def parameter_like(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A new Parameter holding ``data`` that keeps ``param``'s requires_grad and its Python attributes
+    (e.g. DeepSpeed MoE marks expert parameters with ``allreduce``/``group_name``)."""
+    new = nn.Parameter(data, requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    return new
+
+
 def delink_layers(model: nn.Module, path: str) -> nn.Module:
     """Give every layer of ``model.<path>`` its own copy of any Parameter it shares with an earlier layer."""
     layers = get_layer_list(model, path)
@@ -94,7 +102,7 @@ def delink_layers(model: nn.Module, path: str) -> nn.Module:
         for name, param in list(layer.named_parameters(remove_duplicate=False)):
             if id(param) in seen:
                 owner, leaf = _owning_module(layer, name)
-                owner._parameters[leaf] = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+                owner._parameters[leaf] = parameter_like(param, param.detach().clone())
         seen.update(id(p) for p in layer.parameters())
     return model
 
@@ -187,6 +195,7 @@ __all__: Sequence[str] = [
     "tie_parameters",
     "apply_sharing",
     "delink_layers",
+    "parameter_like",
     "count_shared_groups",
     "compact_state_dict",
     "expand_state_dict",
