@@ -52,18 +52,21 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def copy_with_parameters(model: nn.Module, make: Callable[[nn.Parameter], nn.Parameter]) -> nn.Module:
+    """Deep copy of ``model`` whose parameters are ``make(param)`` (ties kept; buffers copied).
+
+    Pre-seeding ``deepcopy``'s memo keeps Parameter attributes that ``Parameter.__deepcopy__`` drops and never
+    copies the parameters' data.
+    """
+    memo: Dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = make(param)
+    return copy.deepcopy(model, memo)
+
+
 def meta_skeleton(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters are on the meta device (ties kept, buffers real): a building plan."""
-    skeleton = copy.deepcopy(model)
-    replaced: Dict[int, nn.Parameter] = {}
-    for module in skeleton.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            if id(param) not in replaced:
-                replaced[id(param)] = parameter_like(param, torch.empty_like(param, device="meta"))
-            module._parameters[name] = replaced[id(param)]
-    return skeleton
+    return copy_with_parameters(model, lambda p: parameter_like(p, torch.empty_like(p, device="meta")))
 
 
 def materialize(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]]) -> nn.Module:
@@ -282,7 +285,7 @@ class PseudoToRealController:
 
     def _build_real_engine(self, real_weights: Optional[Dict[str, torch.Tensor]]) -> None:
         """The real model from the skeleton, with ``real_weights`` (real-model names) or uninitialized storage."""
-        skeleton = copy.deepcopy(self._skeleton)
+        skeleton = copy_with_parameters(self._skeleton, lambda p: parameter_like(p, torch.empty_like(p)))
         delink_layers(skeleton, self.layer_path)
         real = materialize(skeleton, real_weights)
         self.state.stage = REAL

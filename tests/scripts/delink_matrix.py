@@ -57,8 +57,9 @@ class BeforeDelink(TrainingCallback):
         if control.should_delink:
             engine = self.engine_ref[0]
             self.seen["loss"] = eval_loss(engine, self.batch)
-            param = dict(engine.module.named_parameters())[PROBE.format(0)]
-            self.seen["moments"] = ds_state.full_moments(engine.engine, param)
+            param = dict(engine.module.named_parameters()).get(PROBE.format(0))
+            if param is not None:
+                self.seen["moments"] = ds_state.full_moments(engine.engine, param)
             step = ds_state.step_counters(engine.engine)["state_step"]
             self.seen["adam_step"] = None if step is None else float(step)
 
