@@ -47,11 +47,16 @@ def machine_description() -> Dict[str, object]:
     """What the figures were measured on (they are ratios from one run: the machine matters, not the absolute)."""
     import torch
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = os.environ.get("BENCHMARK_COMMIT", "")  # set when running from an exported snapshot of a commit
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True, cwd=Path(__file__).parent).stdout.strip()
+            commit += " + uncommitted changes" if dirty else ""
+        except OSError:
+            commit = ""
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {
         "host": platform.node(),
