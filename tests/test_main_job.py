@@ -3,7 +3,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from ds_pseudo_real.models.gpt import Block, GPTConfig
 from conftest import REPO, free_port, run_two_ranks

@@ -1,7 +1,6 @@
 """Delink on every ZeRO stage and dtype: loss on a fixed batch right before and after, moments carried, Adam
 step counter. Imported by the single-rank test; run under torchrun for 2 ranks (prints JSON lines on rank 0)."""
 import json
-import os
 import sys
 
 import torch
