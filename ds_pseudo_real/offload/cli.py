@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--other-params", type=int, help="non-layer parameters per rank; overrides the section's")
     parser.add_argument("--shared-groups", type=int,
                         help="plan the pseudo model whose layers share this many parameter sets")
+    parser.add_argument("--expert-params", type=int, help="MoE expert parameters per layer per rank")
+    parser.add_argument("--expert-parallel", type=int, help="ranks the experts are spread over")
     return parser
 
 
@@ -59,7 +61,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if shared is not None and (shared < 1 or num_layers % shared):
             raise ConfigError(f"invalid config:\n  --shared-groups: got {shared}; it must be >= 1 and divide "
                               f"num_layers ({num_layers})")
-        groups = uniform_groups(num_layers, layer_params, other, shared)
+        experts = args.expert_params if args.expert_params is not None else (model.expert_params if model else 0)
+        expert_parallel = args.expert_parallel or (model.expert_parallel if model else 1)
+        if expert_parallel < 1 or args.world_size % expert_parallel:
+            raise ConfigError(f"invalid config:\n  expert_parallel: got {expert_parallel}; it must divide the "
+                              f"world size ({args.world_size})")
+        groups = uniform_groups(num_layers, layer_params, other, shared, experts, args.world_size // expert_parallel)
         setup = training_setup(ds_config, section, args.world_size, num_layers)
         resident = place(groups, {}, setup, section.device_memory)
         print(f"without offload: device {format_bytes(resident.device_bytes)} per rank"

@@ -11,11 +11,13 @@ Must not build models, optimizers or engines.
         "activations": {"micro_batch": 1, "seq_len": 1024, "hidden": 1024, "heads": 16, "checkpointing": true},
         "reserved": "2GiB",               # kept free on the device (allocator fragmentation, buffers)
         "prefetch": true, "pin_memory": true,
-        "model": {"num_layers": 48, "layer_params": 1000000, "other_params": 0, "shared_groups": 1}  # plan CLI only
+        "model": {"num_layers": 48, "layer_params": 4200000, "expert_params": 409000000, "expert_parallel": 512,
+                  "other_params": 22000000, "shared_groups": 1}  # for the plan command only (per rank)
     }
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from pydantic import Field, field_validator, model_validator
@@ -45,6 +47,8 @@ class ModelSize(SectionModel):
     layer_params: int = Field(..., ge=1)
     other_params: int = Field(0, ge=0)
     shared_groups: Optional[int] = Field(None, ge=1)
+    expert_params: int = Field(0, ge=0)  # per layer on one rank, planned as the layer's own "experts" group
+    expert_parallel: int = Field(1, ge=1)  # ranks the experts are spread over: each is replicated world / this
 
     @model_validator(mode="after")
     def _groups_divide(self) -> "ModelSize":
@@ -82,8 +86,9 @@ class GranularOffloadConfig(SectionModel):
         accepted = [level.value for level in PlacementLevel]
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, level in items:
-            if isinstance(value, dict) and key != OTHER and not str(key).isdigit():
-                raise ValueError(f"key {key!r}: accepted keys are layer indices ('0', '1', ...) and {OTHER!r}")
+            if isinstance(value, dict) and key != OTHER and not re.fullmatch(r"\d+(\.experts)?", str(key)):
+                raise ValueError(f"key {key!r}: accepted keys are layer indices ('0', '1', ...), a layer's experts "
+                                 f"('0.experts') and {OTHER!r}")
             if level not in accepted:
                 raise ValueError(f"[{key!r}] is {level!r}; accepted levels: {accepted}")
         return value
@@ -131,15 +136,15 @@ def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig,
 
 def explicit_levels(section: GranularOffloadConfig, groups: Sequence[GroupSize]) -> Dict[str, PlacementLevel]:
     """Map ``section.levels`` (a list over layers, or a dict by layer index / 'other') onto group names."""
-    layers = [g for g in groups if g.is_layer]
+    layers = [g for g in groups if g.is_layer and "." not in g.name]
     if isinstance(section.levels, list):
         if len(section.levels) != len(layers):
             raise ConfigError(f"invalid config:\n  {SECTION}.levels: got a list of {len(section.levels)} levels, "
                               f"the model has {len(layers)} layers; accepted: one level per layer, or a dict")
         return {g.name: PlacementLevel(level) for g, level in zip(layers, section.levels)}
-    names = {str(g.index) if g.is_layer else OTHER: g.name for g in groups}
+    names = {g.name[len("layer"):] if g.is_layer else OTHER: g.name for g in groups}
     unknown = [k for k in section.levels if k not in names]
     if unknown:
         raise ConfigError(f"invalid config:\n  {SECTION}.levels: got keys {unknown} not in the model; "
-                          f"accepted: layer indices 0..{len(layers) - 1} and {OTHER!r}")
+                          f"accepted: {sorted(names, key=lambda k: (k == OTHER, len(k), k))}")
     return {names[k]: PlacementLevel(v) for k, v in section.levels.items()}

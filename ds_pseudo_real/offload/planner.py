@@ -46,13 +46,16 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class GroupSize:
-    """One placeable parameter group: a layer (``index`` >= 0) or the non-layer rest (``index`` = -1).
-    ``uses``: how many layers run with these parameters (L / groups in a pseudo model, else 1)."""
+    """One placeable parameter group: a layer (``index`` >= 0), a layer's MoE experts, or the non-layer rest
+    (``index`` = -1). ``uses``: how many layers run with these parameters (L / groups in a pseudo model, else 1).
+    ``dp_size``: ranks ZeRO partitions this group over when not the run's data-parallel size (experts spread over
+    expert-parallel ranks are replicated only world / expert_parallel times)."""
 
     name: str
     numel: int
     index: int = -1
     uses: int = 1
+    dp_size: Optional[int] = None
 
     @property
     def is_layer(self) -> bool:
@@ -103,18 +106,21 @@ class GroupBytes(NamedTuple):
     optimizer_host: int
 
 
-def partition_numel(numel: int, setup: TrainingSetup) -> int:
+def partition_numel(numel: int, setup: TrainingSetup, dp_size: Optional[int] = None) -> int:
     """Elements of the flat fp32 partition the optimizer steps on this rank (DeepSpeed's padding rule)."""
     if not setup.has_separate_master:
         return numel
-    alignment = 2 * setup.dp_size
-    return math.ceil(numel / alignment) * alignment // setup.dp_size
+    dp = dp_size or setup.dp_size
+    alignment = 2 * dp
+    return math.ceil(numel / alignment) * alignment // dp
 
 
-def group_bytes(numel: int, level: PlacementLevel, setup: TrainingSetup, uses: int = 1) -> GroupBytes:
-    """The byte model of the module docstring for one group at ``level``; ``uses`` multiplies the fetches."""
+def group_bytes(numel: int, level: PlacementLevel, setup: TrainingSetup, uses: int = 1,
+                dp_size: Optional[int] = None) -> GroupBytes:
+    """The byte model of the module docstring for one group at ``level``; ``uses`` multiplies the fetches,
+    ``dp_size`` overrides the ranks the group is partitioned over."""
     level = PlacementLevel(level)
-    w, m = setup.working_bytes, partition_numel(numel, setup)
+    w, m = setup.working_bytes, partition_numel(numel, setup, dp_size)
     params = numel * w
     grads = (m if setup.zero_stage == 2 else numel) * w
     ds_master = FP32 * m if setup.has_separate_master else 0
@@ -198,7 +204,8 @@ def place(groups: Sequence[GroupSize], levels: Mapping[str, PlacementLevel], set
         if level is PlacementLevel.HOST_PARAMS and not group.is_layer:
             raise PlanError(f"granular_offload.levels.{group.name}: 'host_params' is for layers only (fetched by "
                             f"layer hooks); accepted for {group.name!r}: 'device', 'host_optimizer'")
-        plan.placements.append(GroupPlacement(group, level, group_bytes(group.numel, level, setup, group.uses)))
+        plan.placements.append(GroupPlacement(group, level, group_bytes(group.numel, level, setup, group.uses,
+                                                                              group.dp_size)))
     return plan
 
 
@@ -255,13 +262,17 @@ def layer_groups(layer_numels: Sequence[int], other_numel: int, layer_uses: Opti
     return groups
 
 
-def uniform_groups(num_layers: int, layer_params: int, other_params: int = 0,
-                   shared_groups: Optional[int] = None) -> List[GroupSize]:
+def uniform_groups(num_layers: int, layer_params: int, other_params: int = 0, shared_groups: Optional[int] = None,
+                   expert_params: int = 0, expert_dp_size: Optional[int] = None) -> List[GroupSize]:
     """Groups of a model of ``num_layers`` equal layers; with ``shared_groups`` G (a pseudo model) only the G group
-    leaders own parameters, each used by L / G layers."""
+    leaders own parameters, each used by L / G layers. ``expert_params`` (per layer, on this rank) become their own
+    groups ``layer<i>.experts``, partitioned over ``expert_dp_size`` ranks, listed after the dense layers."""
     groups_count = shared_groups or num_layers
     size = num_layers // groups_count
-    groups = [GroupSize(f"layer{g * size}", layer_params, g * size, size) for g in range(groups_count)]
+    leaders = [g * size for g in range(groups_count)]
+    groups = [GroupSize(f"layer{i}", layer_params, i, size) for i in leaders]
+    if expert_params:
+        groups += [GroupSize(f"layer{i}.experts", expert_params, i, size, expert_dp_size) for i in leaders]
     if other_params:
         groups.append(GroupSize(OTHER, other_params))
     return groups
@@ -312,8 +323,9 @@ def describe_plan(plan: OffloadPlan) -> str:
     rows = [("groups", "level", "params each", "device each", "host each", "moved/step each")]
     runs: List[List[GroupPlacement]] = []
     for p in plan.placements:
-        if runs and runs[-1][-1].level is p.level and runs[-1][-1].group.numel == p.group.numel \
-                and runs[-1][-1].group.is_layer and p.group.is_layer:
+        last = runs[-1][-1] if runs else None
+        if last and last.level is p.level and last.group.numel == p.group.numel and last.group.is_layer \
+                and p.group.is_layer and last.group.name.split(".")[1:] == p.group.name.split(".")[1:]:
             runs[-1].append(p)
         else:
             runs.append([p])

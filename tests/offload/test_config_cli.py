@@ -2,6 +2,7 @@
 import json
 
 import pytest
+from conftest import REPO
 
 from ds_pseudo_real.cli import main as cli_main
 from ds_pseudo_real.config import ConfigError
@@ -25,7 +26,7 @@ def test_budget_units_and_defaults():
                                         "['device', 'host_optimizer', 'host_params'] (got ['device', 'on_disk'])"),
     ({"device_memory": "lots"}, "granular_offload.device_memory: Value error, expected a byte count like"),
     ({}, "give exactly one of device_memory (plan within a budget) or levels"),
-    ({"levels": {"x": "device"}}, "key 'x': accepted keys are layer indices ('0', '1', ...) and 'other'"),
+    ({"levels": {"x": "device"}}, "key 'x': accepted keys are layer indices ('0', '1', ...), a layer's experts ('0.experts') and 'other'"),
     ({"device_memory": 1, "max_level": "disk"}, "granular_offload.max_level: Input should be 'device'"),
 ])
 def test_errors_name_key_value_and_accepted(raw, expected):
@@ -53,7 +54,7 @@ def test_explicit_levels_list_and_dict():
     with pytest.raises(ConfigError, match="got a list of 2 levels, the model has 3 layers"):
         explicit_levels(section, groups)
     section = parse_granular_offload({"granular_offload": {"levels": {"7": "device"}}})
-    with pytest.raises(ConfigError, match=r"got keys \['7'\] not in the model; accepted: layer indices 0..2"):
+    with pytest.raises(ConfigError, match=r"got keys \['7'\] not in the model; accepted: \['0', '1', '2', 'other'\]"):
         explicit_levels(section, groups)
 
 
@@ -81,3 +82,36 @@ def test_plan_command_says_what_is_missing(tmp_path, capsys):
                                      "model": {"num_layers": 4, "layer_params": 1000}})
     assert cli_main(["plan", "--config", config, "--device-memory", "30000"]) == 2
     assert "device needs 31.25 KiB, 1.95 KiB (2000 bytes) missing" in capsys.readouterr().err
+
+
+def test_experts_are_groups_of_their_own(tmp_path, capsys):
+    # 2 layers of 1000 dense + 4000 expert params per rank; 8 ranks, experts spread over 4: each expert is
+    # replicated on 2 ranks, so ZeRO 1 partitions the experts 2 ways and the dense params 8 ways
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "granular_offload": {
+        "levels": {"1.experts": "host_optimizer"},
+        "model": {"num_layers": 2, "layer_params": 1000, "expert_params": 4000, "expert_parallel": 4}}}))
+    assert cli_main(["plan", "--config", str(path), "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    # dense: params 4000 + grads 4000 + master 4 * 126 + moments 8 * 126 (1000 padded to 1008, / 8)
+    assert "layer0..layer1 (2)  device          1,000        9.29 KiB" in out
+    # experts at host_optimizer: device params + grads + master 4 * 2000; host 16 * 2000
+    assert "layer1.experts      host_optimizer  4,000        39.06 KiB    31.25 KiB" in out
+
+
+def test_m6_10t_config_on_512_ranks_of_32gb(capsys):
+    """configs/offload_m6_10t.json (bf16, ZeRO 1, experts spread over all 512 ranks): the fully shared pseudo model
+    fits without offload; the real one does not fit even with every optimizer state on the host, because each
+    rank's 48 x 409M expert parameters are not ZeRO-partitioned (replicated once) and their bf16 params, grads and
+    DeepSpeed's fp32 copy stay on the device."""
+    config = str(REPO / "configs" / "offload_m6_10t.json")
+    assert cli_main(["plan", "--config", config, "--world-size", "512", "--shared-groups", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "without offload: device 8.31 GiB per rank (fits 29.80 GiB)" in out
+    experts = 408944640
+    assert f"layer0.experts  device  {experts:,}  6.09 GiB" in out
+    assert cli_main(["plan", "--config", config, "--world-size", "512"]) == 2
+    err = capsys.readouterr().err
+    # per expert group at host_optimizer: bf16 params + grads (2 + 2 B) + fp32 copy (4 B) stay on the device
+    assert "the device needs 151.05 GiB" in err and "121.24 GiB (130185038416 bytes) missing" in err
+    assert 48 * 8 * experts < 151.05 * 2**30 < 48 * 8 * experts + 2**30 * 6
