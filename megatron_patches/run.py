@@ -1,0 +1,233 @@
+"""The drop-in flag: ``python -m megatron_patches.run pretrain_gpt.py <their flags> --pseudo-to-real-switch-iter N``.
+
+Owns: the extra flags, and the patches that apply them to an unmodified Megatron-LM pretraining script.
+``megatron.training.pretrain`` is wrapped: the flags are chained onto the script's ``extra_args_provider`` (so
+``--help`` lists them and argparse checks them), and its ``model_provider`` is wrapped to build the shared
+block while in the pseudo stage and to use expert-prototyping routers. ``megatron.training.training.train_step``
+is wrapped to delink at iteration N, in process. Written against Megatron-LM's public training interface:
+``pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, ...,
+extra_args_provider=None, ...)``, ``setup_model_and_optimizer(model_provider, model_type)``, ``get_args()``,
+``train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, ...)`` called
+by ``train()`` with the same model list and optimizer object every iteration, and ``args.curr_iteration``.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import runpy
+import sys
+from typing import Callable, List, Optional
+
+import torch
+
+from ds_pseudo_real.config import OptimizerStatePolicy
+
+USAGE = "usage: python -m megatron_patches.run SCRIPT [SCRIPT FLAGS ...] [PSEUDO-TO-REAL / M6 FLAGS ...]"
+
+
+def add_arguments(parser):
+    """The extra flags, in their own group of Megatron's parser; returns the parser (an extra_args_provider)."""
+    group = parser.add_argument_group(title="pseudo-to-real and M6 (megatron_patches)")
+    group.add_argument("--pseudo-to-real-switch-iter", type=int, default=None,
+                       help="Train with shared layers (the pseudo model) until this iteration, then delink them in "
+                            "process and go on with the real model. Default: %(default)s (no sharing).")
+    group.add_argument("--pseudo-to-real-groups", type=int, default=1,
+                       help="Number of sharing groups of consecutive layers in the pseudo model; must divide "
+                            "--num-layers. Default: %(default)s (all layers share one set).")
+    group.add_argument("--pseudo-to-real-optimizer-state", default=OptimizerStatePolicy.COPY.value,
+                       choices=[p.value for p in OptimizerStatePolicy],
+                       help="Adam moments of each delinked layer: copy the shared ones, reset them, or scale them "
+                            "by 1/layers-per-group (squared for the second moment). Default: %(default)s.")
+    group.add_argument("--m6-expert-prototypes", type=int, default=None,
+                       help="M6 expert prototyping: split --num-experts into this many prototypes, top-1 routing "
+                            "in each, outputs summed. Needs --moe-router-topk equal to it and "
+                            "--moe-router-load-balancing-type none. Default: %(default)s (Megatron's router).")
+    return parser
+
+
+def check_arguments(args) -> None:
+    """Cross-flag checks, failing the way Megatron's own validate_args does (AssertionError naming the flags)."""
+    switch = args.pseudo_to_real_switch_iter
+    _require(switch is None or switch >= 1, f"--pseudo-to-real-switch-iter must be >= 1, got {switch}")
+    groups = args.pseudo_to_real_groups
+    _require(groups >= 1 and args.num_layers % groups == 0,
+             f"--pseudo-to-real-groups ({groups}) must be >= 1 and divide --num-layers ({args.num_layers})")
+    prototypes = args.m6_expert_prototypes
+    if prototypes is not None:
+        experts = getattr(args, "num_experts", None)
+        _require(experts is not None, "--m6-expert-prototypes needs --num-experts")
+        _require(prototypes >= 1 and experts % prototypes == 0,
+                 f"--m6-expert-prototypes ({prototypes}) must divide --num-experts ({experts})")
+        _require(args.moe_router_topk == prototypes,
+                 f"--moe-router-topk ({args.moe_router_topk}) must equal --m6-expert-prototypes ({prototypes})")
+        _require(args.moe_router_load_balancing_type == "none",
+                 f"--moe-router-load-balancing-type must be none with --m6-expert-prototypes "
+                 f"(got {args.moe_router_load_balancing_type}); --moe-aux-loss-coeff weighs the per-prototype loss")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)
+
+
+def _chain(first: Optional[Callable], second: Callable) -> Callable:
+    def extra_args_provider(parser):
+        return second(first(parser) if first is not None else parser)
+
+    return extra_args_provider
+
+
+def _become(old: object, new: object) -> None:
+    """Make ``old`` the object ``new`` is: train() keeps its own reference to the optimizer (and so does the LR
+    scheduler), and hands that same object to every train_step."""
+    old.__class__ = new.__class__
+    old.__dict__ = new.__dict__
+
+
+# What train() sets on the model's TransformerConfig before its loop; the schedules read them from model[0]'s config.
+_TRAIN_HOOKS = ("grad_scale_func", "finalize_model_grads_func", "timers")
+_PER_CHUNK_HOOKS = (("no_sync_func", "no_sync"), ("grad_sync_func", "start_grad_sync"),
+                    ("param_sync_func", "start_param_sync"))
+
+
+def _move_train_hooks(config, model: List[torch.nn.Module], optimizer) -> None:
+    """Set on the real model's config the hooks train() set on the pseudo one's (``config``), bound to the new
+    DDP chunks and optimizer, in the same shape (a list or a single function)."""
+    from megatron.core.utils import get_model_config
+
+    for target in {id(config): config, id(get_model_config(model[0])): get_model_config(model[0])}.values():
+        for attr in _TRAIN_HOOKS:
+            if getattr(config, attr, None) is not None:
+                setattr(target, attr, optimizer.scale_loss if attr == "grad_scale_func" else getattr(config, attr))
+        for attr, method in _PER_CHUNK_HOOKS:
+            current = getattr(config, attr, None)
+            if current is not None:
+                bound = [getattr(chunk, method) for chunk in model]
+                setattr(target, attr, bound if isinstance(current, list) else bound[0])
+
+
+class PseudoToRealRun:
+    """State of one drop-in run: which stage it is in, and the user's model provider."""
+
+    def __init__(self, training_module, get_args: Callable, model_provider: Callable, model_type):
+        self.training = training_module
+        self.get_args = get_args
+        self.user_model_provider = model_provider
+        self.model_type = model_type
+        self.pseudo_stage: Optional[bool] = None  # decided on the first build, once the flags are parsed
+
+    def model_provider(self, *args, **kwargs):
+        from megatron_patches.moe import use_prototyping_routers
+        from megatron_patches.shared_block import shared_parameter_decoder
+
+        run_args = self.get_args()
+        if self.pseudo_stage is None:
+            check_arguments(run_args)
+            self.pseudo_stage = run_args.pseudo_to_real_switch_iter is not None
+        context = shared_parameter_decoder(run_args.pseudo_to_real_groups) if self.pseudo_stage else contextlib.nullcontext()
+        with context:
+            model = self.user_model_provider(*args, **kwargs)
+        if run_args.m6_expert_prototypes is not None:
+            use_prototyping_routers(model, run_args.m6_expert_prototypes)
+        return model
+
+    def train_step(self, original: Callable) -> Callable:
+        def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, *rest, **kw):
+            run_args = self.get_args()
+            if self.pseudo_stage and run_args.curr_iteration >= run_args.pseudo_to_real_switch_iter:
+                _require(run_args.curr_iteration == run_args.pseudo_to_real_switch_iter,
+                         f"resumed at iteration {run_args.curr_iteration}, past --pseudo-to-real-switch-iter "
+                         f"{run_args.pseudo_to_real_switch_iter}: the checkpoint is a real model, drop the flag")
+                self.delink(model, optimizer, config)
+            return original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                            *rest, **kw)
+
+        return train_step
+
+    def delink(self, model: List[torch.nn.Module], optimizer, config) -> None:
+        from megatron_patches.delink import delink_in_process
+
+        run_args = self.get_args()
+        self.pseudo_stage = False
+
+        def build_wrapped():
+            # Build the real model and optimizer as the script's set-up does, without loading its checkpoint again.
+            saved = {k: getattr(run_args, k, None) for k in ("load", "iteration", "num_floating_point_operations_so_far")}
+            run_args.load = None
+            try:
+                new_model, new_optimizer, _ = self.training.setup_model_and_optimizer(self.model_provider, self.model_type)
+            finally:
+                for key, value in saved.items():
+                    setattr(run_args, key, value)
+            return new_model, new_optimizer
+
+        new_model, new_optimizer = delink_in_process(model, optimizer, build_wrapped,
+                                                     run_args.pseudo_to_real_optimizer_state)
+        model[:] = new_model
+        _become(optimizer, new_optimizer)
+        _move_train_hooks(config, model, optimizer)
+
+
+_INSTALLED: List[tuple] = []
+
+
+def install() -> None:
+    """Wrap ``megatron.training.pretrain`` (under both names scripts import it by); undone by ``uninstall``."""
+    import megatron.training as training_package
+    import megatron.training.training as training_module
+
+    original_pretrain = training_module.pretrain
+    signature = inspect.signature(original_pretrain)
+
+    def pretrain(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        run = PseudoToRealRun(training_module, training_package.get_args, bound.arguments["model_provider"],
+                              bound.arguments["model_type"])
+        bound.arguments["model_provider"] = run.model_provider
+        bound.arguments["extra_args_provider"] = _chain(bound.arguments.get("extra_args_provider"), add_arguments)
+        original_train_step = training_module.train_step
+        training_module.train_step = run.train_step(original_train_step)
+        try:
+            return original_pretrain(*bound.args, **bound.kwargs)
+        finally:
+            training_module.train_step = original_train_step
+
+    for owner in (training_package, training_module):
+        _INSTALLED.append((owner, "pretrain", owner.pretrain))
+        owner.pretrain = pretrain
+
+
+def uninstall() -> None:
+    while _INSTALLED:
+        owner, name, original = _INSTALLED.pop()
+        setattr(owner, name, original)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE + "\n\nRuns SCRIPT (a Megatron-LM pretraining script such as pretrain_gpt.py) unchanged, with "
+              "these flags added to Megatron's parser (SCRIPT --help lists them with Megatron's):\n"
+              "  --pseudo-to-real-switch-iter N, --pseudo-to-real-groups G,\n"
+              "  --pseudo-to-real-optimizer-state {copy,reset,scale}, --m6-expert-prototypes K")
+        return 0 if argv else 2
+    script = argv[0]
+    if not os.path.isfile(script):
+        print(f"{USAGE}\nmegatron_patches.run: error: SCRIPT {script!r} is not a file", file=sys.stderr)
+        return 2
+    from megatron_patches import cpu_compat
+
+    cpu_compat.install()  # a no-op when CUDA is available
+    install()
+    sys.argv = [script, *argv[1:]]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        uninstall()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
