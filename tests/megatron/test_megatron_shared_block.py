@@ -17,6 +17,7 @@ def test_shared_block_tp2(tmp_path, groups):
     assert r["layer_numbers"] == [1, 2, 3, 4]
     assert r["groups_found"] == groups
     assert r["meta_params"] == 0 and r["tp_attr_kept"]
+    assert r["allocation_saved"] >= r["member_layers_size"], "layers after each group's first allocate no weights"
     assert r["grad_is_sum"]
     assert r["ckpt_real_logits_equal"] and r["ckpt_real_groups"] == 4
     assert r["delink_logits_equal"]

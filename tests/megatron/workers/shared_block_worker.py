@@ -6,6 +6,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mcore_setup as ms
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 from megatron.core import dist_checkpointing
 
 from ds_pseudo_real import sharing
@@ -15,6 +16,20 @@ from megatron_patches.shared_block import delink_block, shared_groups_of
 W = "self_attention.linear_qkv.weight"
 
 
+class CountAllocations(TorchFunctionMode):
+    """Elements allocated by torch.empty off the meta device (how Megatron and torch allocate weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.empty and not out.is_meta:
+            self.numel += out.numel()
+        return out
+
+
 def main():
     out_path, tp, groups, ckpt_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     ms.init(tp=tp)
@@ -22,8 +37,10 @@ def main():
     cfg = ms.config(num_layers=4, tp=tp)
     tokens, pos, mask, labels = ms.batch()
 
-    real = ms.gpt(cfg)
-    pseudo = ms.gpt(cfg, shared_groups=groups)
+    with CountAllocations() as real_alloc:
+        real = ms.gpt(cfg)
+    with CountAllocations() as pseudo_alloc:
+        pseudo = ms.gpt(cfg, shared_groups=groups)
     layer_size = sum(p.numel() for p in real.decoder.layers[0].parameters())
     outside = sharing.parameter_count(real) - 4 * layer_size
     result = {
@@ -33,6 +50,8 @@ def main():
         "layer_numbers": [layer.layer_number for layer in pseudo.decoder.layers],
         "groups_found": shared_groups_of(pseudo.decoder),
         "meta_params": sum(p.is_meta for p in pseudo.parameters()),
+        "allocation_saved": real_alloc.numel - pseudo_alloc.numel,
+        "member_layers_size": (4 - groups) * layer_size,
         "tp_attr_kept": all(hasattr(l.get_parameter(W), "tensor_model_parallel") for l in pseudo.decoder.layers),
     }
 

@@ -1,0 +1,42 @@
+"""The CPU compatibility layer: what it patches, that it undoes it, and when it refuses to act."""
+import pytest
+import torch
+
+from megatron_patches import PATCHES, cpu_compat
+
+
+def test_install_redirects_cuda_and_uninstall_restores():
+    original = torch.cuda.current_device
+    assert cpu_compat.install() is True
+    try:
+        assert torch.cuda.current_device() == torch.device("cpu")
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.ones(2).cuda().device.type == "cpu"
+        assert torch.ones(2).type() == "torch.cuda.FloatTensor"  # what DistributedOptimizer checks
+    finally:
+        cpu_compat.uninstall()
+    assert torch.cuda.current_device is original and not cpu_compat.is_installed()
+    assert torch.ones(2).type() == "torch.FloatTensor"
+    assert torch.zeros(2).device.type == "cpu"
+
+
+def test_every_patch_is_listed_once():
+    targets = [p.target for p in cpu_compat.PATCHES]
+    assert len(targets) == len(set(targets)) and all(p.reason for p in cpu_compat.PATCHES)
+    assert all(any(p.target in line for line in PATCHES) for p in cpu_compat.PATCHES)
+
+
+def test_never_active_with_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    original = torch.cuda.current_device
+    assert cpu_compat.install() is False
+    assert torch.cuda.current_device is original and not cpu_compat.is_installed()
+
+
+def test_refuses_other_megatron_versions(monkeypatch):
+    import megatron.core
+
+    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+    with pytest.raises(RuntimeError, match=r"written against megatron-core 0\.16\.x.*found megatron-core 0\.17\.0"):
+        cpu_compat.install()
+    assert not cpu_compat.is_installed()
