@@ -88,6 +88,11 @@ def job_state(job_id):
     return dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
 
 
+def node_idle():
+    out = subprocess.run(["sinfo", "--noheader", "--format", "%t"], capture_output=True, text=True)
+    return out.stdout.split() == ["idle"]
+
+
 def logs(run):
     return {path.name: path.read_text(errors="replace") for path in sorted((run / "logs").glob("*.log"))}
 
@@ -214,8 +219,11 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(partition, jobs, ti
     assert "got SIGUSR1: asking the ranks to checkpoint" in out[f"sbatch-{job_id}.log"]
     step = int(re.search(r"saved checkpoint at step (\d+) on signal SIGUSR1", out["rank-0.log"]).group(1))
     assert f"saved checkpoint at step {step} on signal SIGUSR1" in out["rank-1.log"]
-    wait_for(lambda: job_state(job_id).get("Restarts") == "1", "SLURM to record the restart", job_id, run, 60)
-    # SLURM holds a requeued job for ~2 minutes (BeginTime); release it now rather than wait.
+    wait_for(lambda: job_state(job_id).get("Restarts") == "1" and job_state(job_id).get("JobState") == "PENDING"
+             and node_idle(), "the requeued job to wait on an idle node", job_id, run, 60)
+    # SLURM holds a requeued job for ~2 minutes (BeginTime); release it sooner. Not at once: slurmd refuses a job
+    # credential issued within a second or so of the requeue's revocation ("Job credential revoked", job FAILED).
+    time.sleep(3)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
     resumed = f"resumed from {run}/checkpoints/global_step{step} at step {step}"
     wait_for(lambda: all(resumed in logs(run)[f"rank-{r}.log"] for r in (0, 1)), "the resume", job_id, run, 180)
