@@ -1,5 +1,8 @@
 """Pseudo GPT under Megatron DDP (overlapped grad reduce) + optimizer on 2 gloo ranks, delinked in process at
-iteration SWITCH; reports losses around the switch and the optimizer moments the real layers start with."""
+iteration SWITCH; reports losses around the switch and the optimizer moments the real layers start with.
+
+Usage: delink_worker.py OUT.json SCENARIO... with SCENARIO = TP:POLICY:DISTOPT[:moe], all run in one process
+(one job start for all of them); OUT.json maps each scenario to its figures."""
 import os
 import sys
 
@@ -17,8 +20,14 @@ QKV = "decoder.layers.{}.self_attention.linear_qkv.weight"
 
 
 def main():
-    out_path, tp, policy, distopt = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
-    moe = len(sys.argv) > 5 and sys.argv[5] == "moe"  # M6 MoE layers, 4 experts in 2 prototypes, EP=2
+    out_path, scenarios = sys.argv[1], sys.argv[2:]
+    ms.report(out_path, {scenario: run_scenario(*scenario.split(":")) for scenario in scenarios})
+    dist.destroy_process_group()
+
+
+def run_scenario(tp, policy, distopt, *extra):
+    tp, distopt = int(tp), distopt == "1"
+    moe = extra == ("moe",)  # M6 MoE layers, 4 experts in 2 prototypes, EP=2
     ep = 2 if moe else 1
     ms.init(tp=tp, ep=ep)
     from megatron.core import parallel_state
@@ -96,8 +105,7 @@ def main():
     result.update({"losses": losses, "pseudo_params": pseudo_params, "final_eval": evaluate(),
                    "layers_differ": not torch.equal(chunks[0].module.get_parameter(QKV.format(0)), probe),
                    "dp_in_sync": bool(torch.allclose(synced / group.size(), probe, atol=1e-6))})
-    ms.report(out_path, result)
-    dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":
