@@ -102,16 +102,16 @@ def delink_block(block: TransformerBlock) -> TransformerBlock:
     """Give every layer of ``block`` its own copy of the parameters it shares, in place.
 
     The copies keep Megatron's parameter attributes (tensor_model_parallel, partition_dim, sequence_parallel,
-    allreduce...), which decide how gradients are reduced. Use this on a bare model; a model wrapped in
-    Megatron's DDP must be rebuilt instead (see ``megatron_patches.delink``): its grad hooks hold the old Parameters.
+    allreduce...), which decide how gradients are reduced, but not those a DDP wrapper hung on the shared one.
+    Use this on a bare model; a model wrapped in Megatron's DDP must be rebuilt instead
+    (``megatron_patches.delink``): its grad hooks and buffers hold the old Parameters.
     """
-    saved = [{n: dict(vars(p)) for n, p in layer.named_parameters(remove_duplicate=False)} for layer in block.layers]
+    shared = {id(p) for p in block.parameters()}
     sharing.delink_layers(block, LAYERS)
-    for layer, attrs in zip(block.layers, saved):
-        for name, param in layer.named_parameters(remove_duplicate=False):
-            for attr, value in attrs[name].items():
-                if attr not in _DDP_ONLY_ATTRS:
-                    setattr(param, attr, value)
+    for param in block.parameters():
+        if id(param) not in shared:
+            for attr in _DDP_ONLY_ATTRS:
+                param.__dict__.pop(attr, None)
     return block
 
 
