@@ -8,8 +8,8 @@ every step reads the live group dicts and every state lives in ``self.state`` ke
 (an inner optimizer with its own param lists would silently never update the weights).
 
 Levels (``group["level"]``):
-  device          Adam on the params' own device, in place (on CPU: DeepSpeed's CPU Adam kernel; on CUDA: apex
-                  FusedAdam when importable, else torch's fused Adam).
+  device          Adam on the params' own device, in place (on CPU: DeepSpeed's CPU Adam kernel; on CUDA: torch's
+                  fused Adam, see ``_fused_device_adam`` for why not apex's).
   host_optimizer  the fp32 master and the moments live on the host; each step copies the gradient to the host,
                   runs DeepSpeed's CPU Adam kernel there and copies the master back. On CUDA the copies use pinned
                   buffers and two side streams so a group's copy overlaps another group's host step.
@@ -30,14 +30,11 @@ _GROUP_KEYS = ("name", "level")
 
 
 def _fused_device_adam(params: List[torch.nn.Parameter], adamw_mode: bool, defaults: Dict[str, Any]):
-    """The fastest device Adam available for CUDA params: apex's, else torch's fused kernel."""
+    """torch's fused CUDA Adam(W). Not apex's FusedAdam: apex counts steps in the param group, which this wrapper
+    rebuilds per step and DeepSpeed does not checkpoint, so a resume would restart its bias correction."""
     hyper = {k: defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
-    try:
-        from apex.optimizers import FusedAdam  # optional: NVIDIA apex, never required
-        return FusedAdam(params, adam_w_mode=adamw_mode, **hyper)
-    except ImportError:
-        cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
-        return cls(params, fused=True, **hyper)
+    cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    return cls(params, fused=True, **hyper)
 
 
 class GranularOffloadOptimizer(torch.optim.Optimizer):
@@ -146,6 +143,8 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         return pending
 
     def _host_step(self, pending: List[Any]) -> None:
+        if self._cuda:
+            self._h2d.wait_stream(torch.cuda.current_stream())  # nothing queued may still read the params
         for group, p, grad, event in pending:
             if event is not None:
                 event.synchronize()
@@ -185,18 +184,31 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for group, keep in zip(self.param_groups, placement):
             group.update(keep)
-            if group["level"] == PlacementLevel.DEVICE.value:
-                continue
             for p in group["params"]:
-                state = self.state.get(p)
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if state and state[key].device != HOST:
-                        host = self._host_zeros(state[key])
-                        host.copy_(state[key])
-                        state[key] = host
+                if self.state.get(p):
+                    self._place_state(self.state[p], p, group["level"])
         self.refresh_host_masters()
         steps = [st["step"] for st in self.state.values() if isinstance(st.get("step"), int)]
         self._replay_kernel_steps(max(steps, default=0))
+
+    def _place_state(self, state: Dict[str, Any], p: torch.Tensor, level: str) -> None:
+        """Put loaded moments where this plan steps them: the CPU kernel takes host tensors and an int step; torch's
+        fused CUDA Adam takes device tensors and a float32 step tensor on the device."""
+        on_cuda = level == PlacementLevel.DEVICE.value and p.is_cuda
+        for key in ("exp_avg", "exp_avg_sq"):
+            if on_cuda:
+                state[key] = state[key].to(p.device)
+            elif state[key].device != HOST or (self._pin and not state[key].is_pinned()):
+                host = self._host_zeros(state[key])
+                host.copy_(state[key])
+                state[key] = host
+        step = state["step"]
+        if on_cuda and not torch.is_tensor(step):
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
+        elif on_cuda:
+            state["step"] = step.to(device=p.device, dtype=torch.float32)
+        elif torch.is_tensor(step):
+            state["step"] = int(step.item())
 
     def _replay_kernel_steps(self, last_step: int) -> None:
         """Bring the CPU Adam kernel's bias-correction state to where an uninterrupted run would have it.
