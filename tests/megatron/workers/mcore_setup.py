@@ -1,7 +1,5 @@
 """Tiny megatron.core GPT set-up shared by the worker scripts (run under torchrun on gloo, CPU)."""
 import json
-import os
-import sys
 import warnings
 
 warnings.filterwarnings("ignore")

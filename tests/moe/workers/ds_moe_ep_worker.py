@@ -1,6 +1,5 @@
 """ExpertPrototypingMoE on deepspeed.moe, 2 gloo ranks: ep_size=2 against ep_size=1, then a DeepSpeed engine."""
 import json
-import os
 import sys
 
 import deepspeed

@@ -6,7 +6,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from .arguments import core_transformer_config_from_args, parse_args
+from .arguments import parse_args
 from .global_vars import get_args, set_args
 
 
