@@ -9,9 +9,13 @@ Every change this package makes to someone else's code, all reversible:
 """
 from megatron_patches.cpu_compat import PATCHES as CPU_PATCHES
 
-#: Patches outside the CPU layer, each applied only inside a context manager or by ``run`` and undone after.
+#: Changes outside the CPU layer. Each is scoped: undone on exit of its context or its run.
 PATCHES = [
     "megatron.core.models.gpt.gpt_model.TransformerBlock -> SharedParameterTransformerBlock "
-    "(shared_block.shared_parameter_decoder, while the pseudo model is built)",
-    "megatron.training: argument parser extended and train_step wrapped (run.py, for the drop-in flag)",
+    "(shared_block.shared_parameter_decoder, only while a pseudo model is being built)",
+    "megatron.training.pretrain and megatron.training.training.pretrain wrapped: flags chained onto "
+    "extra_args_provider, model_provider wrapped (run.install, undone by run.uninstall)",
+    "megatron.training.training.train_step wrapped to delink at --pseudo-to-real-switch-iter (run, during pretrain)",
+    "built models only: TopKRouter instances re-classed as ExpertPrototypingRouter (moe.use_prototyping_routers); "
+    "at the delink, train()'s optimizer object takes the new optimizer's class and state (run._become)",
 ] + [f"{p.target} (cpu_compat: {p.reason})" for p in CPU_PATCHES]
