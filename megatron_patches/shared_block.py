@@ -62,6 +62,12 @@ class SharedParameterTransformerBlock(TransformerBlock):
         super().__init__(*args, **kwargs)
 
     def _build_layers(self):
+        if self.config.pipeline_model_parallel_size > 1:
+            # Groups would be formed per pipeline stage and their parameters reduced per stage: not built yet.
+            raise NotImplementedError(
+                f"shared-parameter block: --pipeline-model-parallel-size {self.config.pipeline_model_parallel_size} "
+                f"is not supported; accepted: 1 (use tensor, data and expert parallelism)"
+            )
         specs = list(self.submodules.layer_specs)
         runs = sharing.sharing_groups(len(specs), self.sharing_groups)
         leaders = {run[0] for run in runs}
