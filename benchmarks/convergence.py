@@ -396,14 +396,21 @@ def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]
             value, ended = value_at(eval_times, run["val_loss"], scratch_times[-1])
             row[f"{clock}_val_at_scratch_time"] = value
             row[f"{clock}_ended_before_scratch_time"] = ended
+            # equal time: both curves at the earlier of the two ends, so neither is read past its last point
+            common_end = min(times[-1], scratch_times[-1])
+            scratch_eval_times = [scratch_times[s] for s in scratch["eval_steps"]]
+            row[f"{clock}_equal_time_delta"] = (value_at(eval_times, run["val_loss"], common_end)[0]
+                                                - value_at(scratch_eval_times, scratch["val_loss"], common_end)[0])
+            row[f"{clock}_equal_time_at"] = common_end
         per_run[(run["arm"], run["seed"])] = row
     arms = []
     for arm in regime.arms:
         rows = {s: per_run[(arm.name, s)] for s in seeds if (arm.name, s) in per_run}
         base = {s: per_run[("scratch", s)] for s in seeds}
         entry = {"arm": asdict(arm), "switch_step": switch_step(regime, arm), "seeds": sorted(rows)}
-        metrics = ["final_val", "loss_jump", "steps_to_target"] + [f"{c}_{m}" for c in clocks
-                                                                   for m in ("total", "to_target", "val_at_scratch_time")]
+        metrics = ["final_val", "loss_jump", "steps_to_target"] + [
+            f"{c}_{m}" for c in clocks for m in ("total", "to_target", "val_at_scratch_time", "equal_time_delta",
+                                                 "equal_time_at")]
         for metric in metrics:
             values = {s: r[metric] for s, r in rows.items()}
             entry[metric] = {"per_seed": values, **spread(list(values.values()))}
@@ -433,7 +440,7 @@ def print_tables(regime: Regime, summary: Dict, clocks: Sequence[str], costs: Di
     lines.append("cost-model step seconds per phase (pooled medians): "
                  + ", ".join(f"{k} {v:.4f}" for k, v in sorted(costs.items())))
     header = ["variant", "final val (mean±sd)", "Δ vs scratch, paired", "steps to target (ratio)"]
-    header += [f"{c} to target (ratio)" for c in clocks] + [f"val at scratch's {c} time Δ" for c in clocks]
+    header += [f"{c} to target (ratio)" for c in clocks] + [f"Δ val at equal {c} time" for c in clocks]
     header += ["jump at switch", "params pseudo→real"]
     rows = []
     for entry in summary["arms"]:
@@ -447,7 +454,7 @@ def print_tables(regime: Regime, summary: Dict, clocks: Sequence[str], costs: Di
             row.append(f"{fmt(value['mean'], 0 if metric == 'steps_to_target' else 1)} "
                        f"({fmt(ratio['mean'], 2)}±{fmt(ratio['std'], 2)}{miss})")
         for c in clocks:
-            d = entry[f"{c}_val_at_scratch_time"]["paired_minus_scratch"]
+            d = entry[f"{c}_equal_time_delta"]
             row.append(f"{fmt(d['mean'], signed=True)}±{fmt(d['std'])}")
         row.append(fmt(entry["loss_jump"]["mean"], signed=True))
         row.append("→".join(f"{v:,}" for v in entry["parameters"].values()))
@@ -508,7 +515,8 @@ def plot(regime: Regime, runs: List[Dict], clocks: Dict[str, Optional[Dict[str, 
 
 
 def run_regime(regime: Regime, seeds: Sequence[int], corpus, out_dir: Path, tag: str,
-               runs: Optional[List[Dict]] = None, elapsed: float = 0.0, machine: Optional[Dict] = None) -> Dict:
+               runs: Optional[List[Dict]] = None, elapsed: float = 0.0, machine: Optional[Dict] = None,
+               offload: Optional[Dict] = None) -> Dict:
     """Train every variant (unless ``runs`` are given, from an earlier results file), then analyse and plot."""
     path = out_dir / f"convergence_{regime.name}{tag}.json"
     started = time.perf_counter() - elapsed
@@ -524,9 +532,9 @@ def run_regime(regime: Regime, seeds: Sequence[int], corpus, out_dir: Path, tag:
                           "elapsed_s": time.perf_counter() - started, "runs": runs})  # kept if the analysis fails
     step_cost = phase_medians(runs, "step_s")
     clocks: Dict[str, Optional[Dict[str, float]]] = {"wall": None, "cost": step_cost}
-    offload = None
-    if regime.moe is not None:
+    if regime.moe is not None and offload is None:
         offload = offload_step_costs(regime, runs, phase_medians(runs, "compute_s"))
+    if offload is not None:
         clocks["offload"] = {phase: v["step_s"] for phase, v in offload["phases"].items()}
     summary = analyse(regime, runs, clocks)
     table = print_tables(regime, summary, list(clocks), step_cost)
@@ -596,7 +604,7 @@ def main(argv=None) -> int:
             stored = json.loads((args.out / f"convergence_{regime.name}{tag}.json").read_text())
             stored_regime = dict(stored["regime"], arms=[Arm(**a) for a in stored["regime"]["arms"]])
             run_regime(Regime(**stored_regime), stored["seeds"], None, args.out, tag, stored["runs"],
-                       stored["elapsed_s"], stored["machine"])
+                       stored["elapsed_s"], stored["machine"], stored.get("offload_model"))
         else:
             run_regime(regime, seeds, corpus, args.out, tag)
     return 0

@@ -76,6 +76,8 @@ def test_analysis_of_synthetic_runs():
     # the arm's 4 steps cost 3 s: by scratch's total (4 s) it had ended, at its final loss
     assert p2r["cost_val_at_scratch_time"]["mean"] == pytest.approx(0.8)
     assert p2r["cost_ended_before_scratch_time"] == 1
+    # equal time = the earlier end (3 s): the arm at 0.8, scratch at step 3 -> 1.2
+    assert p2r["cost_equal_time_delta"]["mean"] == pytest.approx(-0.4)
     # scratch's own curve at its own total time
     assert by["scratch"]["cost_val_at_scratch_time"]["mean"] == pytest.approx(1.0)
     assert p2r["loss_jump"]["mean"] == pytest.approx(-0.2)  # highest val in the steps after the switch - val at it
