@@ -428,6 +428,14 @@ def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]
         entry["compute_time_median_s"] = phase_medians(arm_runs, "compute_s")
         entry["optimizer_time_median_s"] = phase_medians(arm_runs, "optimizer_s")
         entry["parameters"] = arm_runs[0]["parameters"]
+        # first phase / real step time within each run: both measured minutes apart, so load drift cancels better
+        # than in the pooled medians (where scratch's real steps and the variants' pseudo steps ran at other times)
+        same_run = [phase_medians([r], "step_s") for r in arm_runs]
+        entry["first_over_real_step_same_run"] = spread(
+            [m[r["phases"][0]] / m["real"] for m, r in zip(same_run, arm_runs) if r["phases"][0] != "real" and r["phases"][0] in m and "real" in m])
+        same_run_opt = [phase_medians([r], "optimizer_s") for r in arm_runs]
+        entry["first_over_real_optimizer_same_run"] = spread(
+            [m[r["phases"][0]] / m["real"] for m, r in zip(same_run_opt, arm_runs) if r["phases"][0] != "real" and r["phases"][0] in m and "real" in m])
         delinks = [r["transition"]["seconds"] for r in arm_runs if r["transition"]]
         entry["transition_seconds"] = spread(delinks)
         arms.append(entry)
@@ -441,7 +449,7 @@ def print_tables(regime: Regime, summary: Dict, clocks: Sequence[str], costs: Di
                  + ", ".join(f"{k} {v:.4f}" for k, v in sorted(costs.items())))
     header = ["variant", "final val (mean±sd)", "Δ vs scratch, paired", "steps to target (ratio)"]
     header += [f"{c} to target (ratio)" for c in clocks] + [f"Δ val at equal {c} time" for c in clocks]
-    header += ["jump at switch", "params pseudo→real"]
+    header += ["jump at switch", "pseudo/real step, same run", "params pseudo→real"]
     rows = []
     for entry in summary["arms"]:
         fv = entry["final_val"]
@@ -457,6 +465,8 @@ def print_tables(regime: Regime, summary: Dict, clocks: Sequence[str], costs: Di
             d = entry[f"{c}_equal_time_delta"]
             row.append(f"{fmt(d['mean'], signed=True)}±{fmt(d['std'])}")
         row.append(fmt(entry["loss_jump"]["mean"], signed=True))
+        ratio = entry["first_over_real_step_same_run"]
+        row.append(f"{fmt(ratio['mean'], 2)}±{fmt(ratio['std'], 2)}" if ratio["n"] else "-")
         row.append("→".join(f"{v:,}" for v in entry["parameters"].values()))
         rows.append(row)
     lines.append(markdown_table(header, rows))
