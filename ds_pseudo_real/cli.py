@@ -10,6 +10,8 @@ COMMANDS = {
     "train": ("launch.train", "train the demo GPT through the pseudo and real stages (same flags as launch/train.py)"),
     "convert": ("ds_pseudo_real.convert", "convert a pseudo-stage checkpoint into a real-stage one, offline"),
     "plan": ("ds_pseudo_real.offload.cli", "print a granular offload placement plan as a table"),
+    "slurm": ("launch.slurm", "write and submit a SLURM batch script (same flags as python -m launch.slurm)"),
+    "hostfile": ("launch.hostfile", "write a DeepSpeed hostfile (same flags as python -m launch.hostfile)"),
 }
 
 

@@ -424,7 +424,7 @@ class PseudoToRealController:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {load_dir}/{tag}")
         client = dict(client or {})
         self._restore_plugin_state(client.pop(CLIENT_KEY))
-        log_rank0(f"resumed from {path} at step {self.engine.global_steps} ({self.state.stage} stage)")
+        log_rank0(f"resumed from {os.path.join(load_dir, tag)} at step {self.engine.global_steps} ({self.state.stage} stage)")
         return path, client
 
     def _restore_plugin_state(self, plugin: Dict[str, Any]) -> None:

@@ -103,6 +103,7 @@ def single_process_defaults() -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    stopper = StopOnSignal()  # first: a preemption during start-up must not kill the rank without a checkpoint
     single_process_defaults()
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -115,7 +116,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head))
     engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=ds_config)
-    stopper = StopOnSignal()
     if not args.no_resume:
         engine.load_checkpoint(str(ckpt_dir))
     start_step = engine.global_steps
