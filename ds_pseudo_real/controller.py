@@ -292,6 +292,9 @@ class PseudoToRealController:
         self.engine, self.optimizer, _, self.lr_scheduler = self._initialize(real)
 
     def _release_engine(self) -> None:
+        store = getattr(ds_state.basic_optimizer(self.engine), "host_params", None)
+        if store is not None:  # granular offload's fetch hooks live on the old model's layers
+            store.remove()
         self.engine.destroy()
         self.engine = self.optimizer = self.lr_scheduler = None
         gc.collect()

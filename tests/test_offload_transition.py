@@ -48,3 +48,13 @@ def test_plan_is_recomputed_at_the_delink_and_losses_match_all_device(stage):
     reference_plans, reference, _ = run({"device_memory": "1GiB"}, stage)
     assert all(set(plan.levels().values()) == {"device"} for plan in reference_plans)
     assert losses == reference
+
+
+def test_host_params_level_after_the_delink_matches_all_device():
+    """ZeRO-0 fp32: the real model's plan puts some layers' parameters on the host, fetched per layer."""
+    plans, losses, report = run({"device_memory": "520KiB", "max_level": "host_params"}, stage=0)
+    assert report["pre"] == report["post"]
+    assert set(plans[0].levels().values()) == {"device"}
+    assert "host_params" in plans[1].levels().values()
+    _, reference, _ = run({"device_memory": "1GiB"}, stage=0)
+    assert losses == reference
