@@ -147,7 +147,7 @@ def delink_vs_copy(args, corpus) -> Dict:
             if param.dim() > 1:
                 torch.nn.init.normal_(param, std=0.02)
             else:
-                param.fill_(1.0 if name.endswith("ln1.weight") or name.endswith("ln2.weight") or name == "ln_f.weight" else 0.0)
+                param.fill_(1.0 if name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")) else 0.0)
     ptr = {"enabled": True, "layers": "layers", "switch": {"at_step": 10**9}, "optimizer_state": args.policy}
     engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=ds_config(1, ptr))
     x, y = corpus.batch("train", 1, args.big_seq_len, 0, 0)
