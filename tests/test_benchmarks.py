@@ -123,6 +123,8 @@ def test_m6_moe_layer_drops_tokens_over_capacity():
     torch.manual_seed(0)
     moe = common._moe_classes()[0](d_model=4, ffn=4, num_experts=2, num_prototypes=1, capacity_factor=0.5)
     with torch.no_grad():
+        torch.nn.init.normal_(moe.w1)  # the bare layer leaves its expert weights to the model's initializer
+        torch.nn.init.normal_(moe.w2)
         moe.router.weight.zero_()
         moe.router.weight[0] += 1.0  # every token prefers expert 0 when its features sum positive
     x = torch.ones(1, 8, 4)
