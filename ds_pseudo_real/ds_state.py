@@ -143,7 +143,8 @@ def memory_report(engine) -> Dict[str, int]:
     """Bytes this rank holds: working parameters, gradients, fp32 masters and optimizer state.
 
     Parameters, masters and optimizer state are read off the tensors; gradients are what the ZeRO stage keeps
-    between backward and step (full for stages 0-1, this rank's partition for 2-3), in the gradient dtype.
+    between backward and step (full for stages 0-1, this rank's partition for 2-3) in DeepSpeed's gradient
+    accumulation dtype: an expectation, not a reading.
     """
     params = _unique(engine.module.parameters())
     param_bytes = sum(_local_numel(p) * p.element_size() for p in params)
@@ -156,7 +157,7 @@ def memory_report(engine) -> Dict[str, int]:
     )
     stage = engine.zero_optimization_stage()
     grad_elements = sum(t.numel() for t in master_tensors) if stage >= 2 else sum(p.numel() for p in params)
-    grad_size = 4 if stage >= 1 or not params else params[0].element_size()
+    grad_size = torch.empty((), dtype=engine.get_data_types()[1]).element_size()
     return {
         "parameters": param_bytes,
         "gradients": grad_elements * grad_size,

@@ -164,3 +164,22 @@ def test_no_loss_spike_after_the_switch_on_the_demo_model(corpus, policy):
     assert engine.stage == "real"
     assert max(after) < at_switch + 0.05, f"{policy}: val loss {at_switch:.4f} at the switch, then {after}"
     engine.engine.destroy()
+
+
+def test_transition_reports_per_rank_bytes_of_both_models():
+    engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(1, "fp32", "copy", switch=1))
+    loss = engine(*fixed_batch(1))
+    engine.backward(loss)
+    engine.step()
+    report = engine.last_transition
+    real = sum(p.numel() for p in tiny_gpt().parameters())
+    layer = sum(p.numel() for p in tiny_gpt().layers[0].parameters())
+    pseudo = real - 3 * layer
+    assert (report["parameters_before"], report["parameters_after"]) == (pseudo, real)
+    for when, numel in (("before", pseudo), ("after", real)):
+        memory = report[f"memory_{when}"]
+        assert memory["parameters"] == 4 * numel and memory["gradients"] == 4 * numel
+        # ZeRO-1 on one rank: one flat fp32 partition, padded to a multiple of 2 elements; Adam keeps two moments.
+        assert 4 * numel <= memory["fp32_master"] <= 4 * (numel + 1)
+        assert memory["optimizer_state"] == 2 * memory["fp32_master"]
+    engine.engine.destroy()
