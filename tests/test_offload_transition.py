@@ -58,3 +58,15 @@ def test_host_params_level_after_the_delink_matches_all_device():
     assert "host_params" in plans[1].levels().values()
     _, reference, _ = run({"device_memory": "1GiB"}, stage=0)
     assert losses == reference
+
+
+def test_explicit_levels_name_the_real_models_layers_in_both_stages():
+    """One list of levels for all 4 layers: the pseudo model's shared set takes layer 0's level, the real model
+    gets each layer's own."""
+    plans, losses, report = run({"levels": ["device", "device", "host_optimizer", "host_optimizer"]})
+    assert report["pre"] == report["post"]
+    assert plans[0].levels() == {"layer0": "device", "other": "device"}
+    assert plans[1].levels() == {"layer0": "device", "layer1": "device", "layer2": "host_optimizer",
+                                 "layer3": "host_optimizer", "other": "device"}
+    _, reference, _ = run({"device_memory": "1GiB"})
+    assert losses == reference

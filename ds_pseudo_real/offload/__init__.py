@@ -89,7 +89,7 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
     sizes, params = model_groups(model, layer_path)
     setup = training_setup(ds_config, section, world_size, len(get_layer_list(model, layer_path)))
     if section.levels is not None:
-        plan = place(sizes, explicit_levels(section, sizes), setup)
+        plan = place(sizes, explicit_levels(section, sizes, len(get_layer_list(model, layer_path))), setup)
     else:
         plan = plan_placement(sizes, setup, section.device_memory, PlacementLevel(section.max_level))
     groups = [{"params": ps, "name": size.name, "level": plan.level_of(size.name).value}

@@ -134,17 +134,26 @@ def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig,
         raise ConfigError(f"invalid config:\n  {error}") from None
 
 
-def explicit_levels(section: GranularOffloadConfig, groups: Sequence[GroupSize]) -> Dict[str, PlacementLevel]:
-    """Map ``section.levels`` (a list over layers, or a dict by layer index / 'other') onto group names."""
+def explicit_levels(section: GranularOffloadConfig, groups: Sequence[GroupSize],
+                    num_layers: Optional[int] = None) -> Dict[str, PlacementLevel]:
+    """Map ``section.levels`` (a list over layers, or a dict by layer index / 'other') onto group names.
+
+    ``num_layers``: the model's layer count when its groups are those of a pseudo model. Levels may then be
+    given for all its layers (as for the real model the same config delinks into); a shared set takes the level
+    of its first layer and the other layers' entries wait for the real stage.
+    """
     layers = [g for g in groups if g.is_layer and "." not in g.name]
     if isinstance(section.levels, list):
-        if len(section.levels) != len(layers):
-            raise ConfigError(f"invalid config:\n  {SECTION}.levels: got a list of {len(section.levels)} levels, "
-                              f"the model has {len(layers)} layers; accepted: one level per layer, or a dict")
-        return {g.name: PlacementLevel(level) for g, level in zip(layers, section.levels)}
+        if len(section.levels) == len(layers):
+            return {g.name: PlacementLevel(level) for g, level in zip(layers, section.levels)}
+        if num_layers is not None and len(section.levels) == num_layers:
+            return {g.name: PlacementLevel(section.levels[g.index]) for g in layers}
+        raise ConfigError(f"invalid config:\n  {SECTION}.levels: got a list of {len(section.levels)} levels, "
+                          f"the model has {num_layers or len(layers)} layers; accepted: one level per layer, or a dict")
     names = {g.name[len("layer"):] if g.is_layer else OTHER: g.name for g in groups}
-    unknown = [k for k in section.levels if k not in names]
+    later = {str(i) for i in range(num_layers or 0)} - set(names)  # layers whose parameters a leader holds
+    unknown = [k for k in section.levels if k not in names and k not in later]
     if unknown:
         raise ConfigError(f"invalid config:\n  {SECTION}.levels: got keys {unknown} not in the model; "
-                          f"accepted: {sorted(names, key=lambda k: (k == OTHER, len(k), k))}")
-    return {names[k]: PlacementLevel(v) for k, v in section.levels.items()}
+                          f"accepted: {sorted(set(names) | later, key=lambda k: (k == OTHER, len(k), k))}")
+    return {names[k]: PlacementLevel(v) for k, v in section.levels.items() if k in names}
