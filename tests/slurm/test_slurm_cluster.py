@@ -4,7 +4,6 @@ resubmission and requeue. Skips, saying why, where SLURM cannot be started."""
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
