@@ -7,6 +7,7 @@ megatron-core other than the one it was written against (0.16.x): the call sites
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
@@ -36,6 +37,8 @@ PATCHES: List[Patch] = [
     Patch("TorchFunctionMode: device='cuda' / .cuda() / .to('cuda') -> cpu",
           "DDP buffers, the optimizers and the pipeline schedules hard-code 'cuda'"),
     Patch("torch.Tensor.type() reports torch.cuda.*", "DistributedOptimizer and clip_grads check these strings"),
+    Patch("transformer.torch_norm.WrappedTorchNorm.__new__: accepts sequence_parallel",
+          "the local spec's only norm without apex/TE; MoE with TP>1 requires sequence parallelism"),
 ]
 
 
@@ -112,7 +115,9 @@ class _Installed:
         self.mode: Optional[TorchFunctionMode] = None
 
     def set(self, owner: Any, name: str, value: Any) -> None:
-        self.saved.append((owner, name, getattr(owner, name, _MISSING)))
+        # A class's own entry, not what it inherits or the unwrapped function behind a staticmethod (__new__).
+        saved = vars(owner).get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name, _MISSING)
+        self.saved.append((owner, name, saved))
         setattr(owner, name, value)
 
 
@@ -146,6 +151,7 @@ def install() -> bool:
     import megatron.core.tensor_parallel.random as tp_random
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     state = _Installed()
     cpu = torch.device("cpu")
@@ -167,6 +173,7 @@ def install() -> bool:
     state.set(token_dispatcher, "maybe_move_tensor_to_cpu",
               _cpu_aware_move(token_dispatcher.maybe_move_tensor_to_cpu))
     state.set(torch.Tensor, "type", _cuda_type_string(torch.Tensor.type))
+    state.set(WrappedTorchNorm, "__new__", staticmethod(_sequence_parallel_norm(WrappedTorchNorm.__new__)))
     state.mode = _CudaToCpuMode()
     state.mode.__enter__()
     _STATE = state
@@ -206,3 +213,21 @@ def _cuda_type_string(original: Callable) -> Callable:
         return original(self, dtype, non_blocking, **kwargs)
 
     return type
+
+
+def _sequence_parallel_norm(original: Callable) -> Callable:
+    """A torch norm on a sequence-parallel shard: its weights see only this rank's tokens, so they are marked
+    ``sequence_parallel`` and finalize_model_grads all-reduces their gradients over the tensor-parallel group
+    (what apex's and Transformer Engine's norms do). 0.16.1 asserts instead."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, **kwargs)
+        unsharded = copy.copy(config)  # only to pass the assertion: the norm itself is per token
+        unsharded.sequence_parallel = False
+        norm = original(cls, unsharded, hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return __new__

@@ -40,3 +40,24 @@ def test_refuses_other_megatron_versions(monkeypatch):
     with pytest.raises(RuntimeError, match=r"written against megatron-core 0\.16\.x.*found megatron-core 0\.17\.0"):
         cpu_compat.install()
     assert not cpu_compat.is_installed()
+
+
+def test_torch_norm_accepts_sequence_parallel_and_marks_its_weights():
+    """MoE with TP>1 needs sequence parallelism; the norm's weights then see one rank's tokens and must be
+    all-reduced over TP (finalize_model_grads reads the ``sequence_parallel`` mark)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,
+                               sequence_parallel=True)
+    assert cpu_compat.install() is True
+    try:
+        norm = WrappedTorchNorm(config, 8)
+        assert isinstance(norm, torch.nn.LayerNorm) and config.sequence_parallel
+        assert [p.sequence_parallel for p in norm.parameters()] == [True, True]
+        x = torch.randn(3, 8)
+        assert torch.equal(norm(x), torch.nn.functional.layer_norm(x, (8,)))
+    finally:
+        cpu_compat.uninstall()
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        WrappedTorchNorm(config, 8)
