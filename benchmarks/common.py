@@ -163,12 +163,26 @@ def spread(values: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
 
 
 def paired_differences(arm: Mapping[int, Optional[float]], baseline: Mapping[int, Optional[float]]) -> Dict[str, object]:
-    """``arm[seed] - baseline[seed]`` for the seeds both have, with their spread and how many are below zero."""
+    """``arm[seed] - baseline[seed]`` for the seeds both have, with their spread, how many are below zero, the
+    paired t statistic (mean / standard error; None below 2 seeds or with no spread) and the two-sided sign-test
+    p-value (``sign_test_p``)."""
     seeds = sorted(s for s in arm if s in baseline and arm[s] is not None and baseline[s] is not None)
     diffs = [float(arm[s]) - float(baseline[s]) for s in seeds]
     out: Dict[str, object] = {"seeds": seeds, "differences": diffs, **spread(diffs)}
     out["negative"] = sum(d < 0 for d in diffs)
+    out["t"] = out["mean"] / (out["std"] / math.sqrt(len(diffs))) if len(diffs) > 1 and out["std"] else None
+    out["sign_p"] = sign_test_p(out["negative"], sum(d > 0 for d in diffs))
     return out
+
+
+def sign_test_p(below: int, above: int) -> Optional[float]:
+    """Two-sided exact sign test: the chance, if each nonzero difference were below zero with probability 1/2, of
+    a split at least as uneven as ``below`` : ``above`` (ties are left out before counting). None for no pairs."""
+    n = below + above
+    if n == 0:
+        return None
+    tail = sum(math.comb(n, i) for i in range(min(below, above) + 1)) / 2**n
+    return min(1.0, 2 * tail)
 
 
 def median(values: Sequence[float]) -> float:

@@ -1,22 +1,27 @@
 """Convergence benchmark: does Pseudo-to-Real reach the loss of training from scratch sooner, in steps and in time?
 
 Every variant of a regime trains the same model size on the same data order (a pure function of the seed and the
-step), with the same optimizer (AdamW, DeepSpeed ZeRO 0, fp32) and LR schedule (warmup + cosine), through
+step), with the same optimizer math and LR schedule (warmup + cosine), DeepSpeed ZeRO 0 fp32, through
 ``ds_pseudo_real.initialize``; runs are interleaved (seed by seed, every variant in turn) so machine noise falls on
 all of them. Two regimes:
-  dense         the demo byte-level GPT;
-  memory_bound  an M6-style expert-prototyping MoE (many experts, small hidden): parameters dwarf per-token compute,
-                so the real model's optimizer state needs CPU offload under the stated device budget and the
-                pseudo model's does not.
+  dense         the demo byte-level GPT, torch AdamW;
+  memory_bound  an M6-style expert-prototyping MoE (many experts, small hidden): parameters dwarf per-token compute.
+                Every variant trains through the plugin's ``granular_offload`` section at one device budget (the
+                pseudo model's all-resident bytes + a fraction of the difference to the real model's): the pseudo
+                model fits, the real one does not, so the planner places it and ``GranularOffloadOptimizer`` steps
+                its host groups with DeepSpeed's CPU Adam; the plan is recomputed at the delink. Each run records the
+                plan's levels and the bytes the optimizer held and moved per phase, checked against the plan.
 Three clocks per run: steps; measured wall clock (training only, evaluation excluded, the delink included); a
 deterministic cost-model clock (each phase's median measured step time, pooled over the regime's runs, x its
-steps); and for memory_bound an offload clock (measured forward+backward + the offload planner's predicted
-transfer at a stated bandwidth + Adam on device / host at measured per-parameter rates).
+steps); and for memory_bound an offload clock (the cost-model step + the plan's moved bytes at a stated
+host<->device bandwidth: where the device is the CPU, the measured step has the host Adam but no transfer).
 
     python benchmarks/convergence.py            # both regimes, ~25 min on 2 busy CPU cores
-    python benchmarks/convergence.py --quick    # smoke run, ~2 min (2 seeds, fewer variants: not for conclusions)
+    python benchmarks/convergence.py --quick    # smoke run, ~3 min (2 seeds, fewer variants: not for conclusions)
+    python benchmarks/convergence.py --regime memory_bound --seeds 10 --arms "scratch,p2r@10% scale,p2r@25% scale"
 
-Writes benchmarks/results/convergence_<regime>.json and .png and prints the tables.
+Writes benchmarks/results/convergence_<regime>.json (after every run, so an interrupted run keeps what finished)
+and .png, and prints the tables.
 """
 from __future__ import annotations
 
@@ -97,40 +102,84 @@ def memory_bound_arms(quick: bool) -> List[Arm]:
             Arm("p2r@50% scale", "pseudo_to_real", 0.50)]
 
 
+def select_arms(arms: List[Arm], names: Optional[str]) -> List[Arm]:
+    """The arms named in ``names`` (comma-separated, in the regime's order), or all of them when None."""
+    if names is None:
+        return arms
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = [a.name for a in arms]
+    unknown = [n for n in wanted if n not in known]
+    if unknown or "scratch" not in wanted:
+        raise SystemExit(f"--arms: got {wanted}; accepted: a comma-separated subset of {known} that includes "
+                         f"'scratch' (every variant is compared with it)")
+    return [a for a in arms if a.name in wanted]
+
+
 def regimes(args) -> List[Regime]:
     out = []
     if args.regime in ("dense", "both"):
         out.append(Regime(
             "dense", args.n_layer, args.d_model, args.n_head, args.seq_len, args.batch_size,
             args.steps or (60 if args.quick else 400), args.lr, args.warmup, args.eval_interval or (20 if args.quick else 40),
-            args.eval_batches, dense_arms(args.n_layer, args.quick),
+            args.eval_batches, select_arms(dense_arms(args.n_layer, args.quick), args.arms),
         ))
     if args.regime in ("memory_bound", "both"):
         out.append(Regime(
             "memory_bound", args.n_layer, args.d_model, args.n_head, args.seq_len, args.batch_size,
             args.mb_steps or (30 if args.quick else 160), args.lr, args.warmup,
-            args.eval_interval or (10 if args.quick else 25), args.eval_batches, memory_bound_arms(args.quick),
+            args.eval_interval or (10 if args.quick else 25), args.eval_batches,
+            select_arms(memory_bound_arms(args.quick), args.arms),
             moe=dict(num_experts=args.experts, num_prototypes=args.prototypes, ffn=args.expert_ffn,
                      capacity_factor=args.capacity_factor, balance_coeff=0.01),
             offload=dict(bandwidth_gbps=args.bandwidth_gbps, budget_fraction=args.budget_fraction),
         ))
+        out[-1].offload.update(offload_budget(out[-1]))
     return out
+
+
+def offload_budget(regime: Regime) -> Dict[str, int]:
+    """The device budget every memory-bound variant trains under: the fully shared pseudo model's all-resident
+    bytes + ``budget_fraction`` x (the real model's - the pseudo model's), in the planner's byte model with the
+    activation estimate the ``granular_offload`` section is given."""
+    import torch
+
+    from benchmarks.common import build_gpt
+    from ds_pseudo_real.offload.planner import TrainingSetup, estimate_activation_bytes, place, uniform_groups
+
+    with torch.device("meta"):
+        model = build_gpt(regime.n_layer, regime.d_model, regime.n_head, regime.seq_len, regime.moe)
+    layer = sum(p.numel() for p in model.layers[0].parameters())
+    other = sum(p.numel() for p in model.parameters()) - layer * regime.n_layer
+    activation = estimate_activation_bytes(regime.batch_size, regime.seq_len, regime.d_model, regime.n_head,
+                                           regime.n_layer, "fp32")
+    setup = TrainingSetup("fp32", 0, 1, activation, 0)
+    pseudo = place(uniform_groups(regime.n_layer, layer, other, 1), {}, setup).device_bytes
+    real = place(uniform_groups(regime.n_layer, layer, other), {}, setup).device_bytes
+    return {"budget_bytes": int(pseudo + regime.offload["budget_fraction"] * (real - pseudo)),
+            "activation_bytes": activation, "pseudo_resident_bytes": pseudo, "real_resident_bytes": real}
 
 
 # ---- one run -------------------------------------------------------------------------------------------------
 def ds_config(regime: Regime, pseudo_to_real: Dict) -> Dict:
-    return {
+    """The DeepSpeed config of every run of ``regime``. With a device budget (memory_bound) it has a
+    ``granular_offload`` section, and every group of every variant, resident or offloaded, is stepped by DeepSpeed's
+    CPU Adam kernel (the device being the CPU); without one, torch AdamW steps the whole model."""
+    adamw = {"lr": regime.lr, "betas": [0.9, 0.95], "weight_decay": 0.01}
+    config = {
         "train_micro_batch_size_per_gpu": regime.batch_size,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": regime.lr, "betas": [0.9, 0.95], "weight_decay": 0.01,
-                                                  "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": adamw if "budget_bytes" in regime.offload else {**adamw, "torch_adam": True}},
         "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": regime.steps,
                                                            "warmup_num_steps": regime.warmup, "cos_min_ratio": 0.1}},
         "zero_optimization": {"stage": 0},
         "pseudo_to_real": pseudo_to_real,
     }
+    if "budget_bytes" in regime.offload:
+        config["granular_offload"] = {"device_memory": regime.offload["budget_bytes"],
+                                      "activation_bytes": regime.offload["activation_bytes"]}
+    return config
 
 
 def switch_step(regime: Regime, arm: Arm) -> Optional[int]:
@@ -206,6 +255,45 @@ def unique_numel(module) -> int:
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
 
 
+def offload_counters(engine):
+    """The granular offload optimizer stepping now (None without offload) and its bytes moved so far: gradient
+    copies to the host and master copies back, plus parameter fetches at ``host_params``."""
+    from ds_pseudo_real import ds_state
+    from ds_pseudo_real.offload import GranularOffloadOptimizer
+
+    optimizer = ds_state.basic_optimizer(engine.engine)
+    if not isinstance(optimizer, GranularOffloadOptimizer):
+        return None, 0
+    fetched = optimizer.host_params.fetched_bytes if optimizer.host_params is not None else 0
+    return optimizer, optimizer.moved_bytes + fetched
+
+
+def plan_record(plan) -> Dict:
+    """What a run keeps of an :class:`OffloadPlan`: levels, the budget and the predicted bytes."""
+    from ds_pseudo_real.offload import PlacementLevel
+
+    return {"levels": plan.levels(),
+            "level_counts": {lvl.value: sum(p.level is lvl for p in plan.placements) for lvl in PlacementLevel},
+            "budget_bytes": plan.budget_bytes, "device_bytes": plan.device_bytes, "host_bytes": plan.host_bytes,
+            "optimizer_device_bytes": plan.optimizer_device_bytes, "optimizer_host_bytes": plan.optimizer_host_bytes,
+            "moved_bytes_per_step": plan.moved_bytes_per_step}
+
+
+def record_offload_step(records: Dict[str, Dict], phase: str, plan, moved: int, held: Optional[Dict[str, int]]) -> None:
+    """Add one step of ``phase`` (under ``plan``, moving ``moved`` bytes, after which the optimizer held ``held``;
+    None on the step whose end delinked: that optimizer is gone) to ``records``: the plan, the distinct bytes
+    moved per step, the bytes held after the phase's latest step, and whether both are the plan's prediction."""
+    record = records.setdefault(phase, {"plan": plan_record(plan), "moved_bytes_per_step": [], "held_bytes": None})
+    if moved not in record["moved_bytes_per_step"]:
+        record["moved_bytes_per_step"].append(moved)
+    if held is not None:
+        record["held_bytes"] = held
+    predicted = record["plan"]
+    record["matches_plan"] = (record["moved_bytes_per_step"] == [predicted["moved_bytes_per_step"]]
+                              and record["held_bytes"] == {"device": predicted["optimizer_device_bytes"],
+                                                           "host": predicted["optimizer_host_bytes"]})
+
+
 def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -> Dict:
     """Train one variant for ``regime.steps`` steps; the record holds every step's phase, times and loss."""
     from benchmarks.common import cuda_sync
@@ -227,9 +315,12 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
     evals = [(0, evaluate(engine, corpus, regime))]
     transition = None
     phase = first_phase
+    offload: Dict[str, Dict] = {}
     for step in range(regime.steps):
         x, y = corpus.batch("train", regime.batch_size, regime.seq_len, seed=seed, step=step)
         x, y = x.to(engine.device), y.to(engine.device)
+        optimizer, moved_before = offload_counters(engine)
+        plan = getattr(engine, "offload_plan", None)  # the controller's; a delink inside step() replaces it
         cuda_sync()
         start = time.perf_counter()
         loss = engine(x, y)
@@ -239,6 +330,11 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
         engine.step()
         cuda_sync()
         end = time.perf_counter()
+        if optimizer is not None:
+            fetched = optimizer.host_params.fetched_bytes if optimizer.host_params is not None else 0
+            current = offload_counters(engine)[0] is optimizer
+            record_offload_step(offload, phase, plan, optimizer.moved_bytes + fetched - moved_before,
+                                optimizer.held_bytes() if current else None)
         extra = 0.0
         if arm.kind == "stacking" and step + 1 == switch:
             engine = grow_by_stacking(engine, regime, arm.stack_depth)
@@ -261,13 +357,16 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
             evals.append((step + 1, evaluate(engine, corpus, regime)))
     if verbose:
         print(f"  [{regime.name}] seed {seed} {arm.name:<22} final val {evals[-1][1]:.4f}  train "
-              f"{sum(step_s):6.1f}s" + (f"  switch@{switch} in {transition['seconds']:.2f}s" if transition else ""),
+              f"{sum(step_s):6.1f}s" + (f"  switch@{switch} in {transition['seconds']:.2f}s" if transition else "")
+              + "".join(f"  {p}: {r['plan']['level_counts']} moved {r['moved_bytes_per_step']} B/step"
+                        f"{'' if r['matches_plan'] else ' NOT AS PLANNED'}" for p, r in offload.items()),
               flush=True)
     engine.engine.destroy()
     return {
         "arm": arm.name, "seed": seed, "switch_step": switch, "parameters": params, "transition": transition,
         "phases": phases, "compute_s": compute_s, "optimizer_s": optimizer_s, "step_s": step_s,
         "train_loss": train_loss, "eval_steps": [s for s, _ in evals], "val_loss": [v for _, v in evals],
+        "offload": offload,
     }
 
 
@@ -285,80 +384,27 @@ def phase_medians(runs: Sequence[Dict], key: str) -> Dict[str, float]:
     return {phase: median(values) for phase, values in pooled.items()}
 
 
-def adam_seconds_per_parameter(numel: int, repeats: int = 5) -> Dict[str, float]:
-    """Measured Adam step time per parameter here: torch AdamW on the device (what a resident group costs) and
-    DeepSpeed's CPU Adam on the host (what an offloaded group costs), over a flat tensor of ``numel`` elements."""
-    import torch
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    out = {}
-    for where, dev, build in (("device", device, lambda p: torch.optim.AdamW([p], lr=1e-3)),
-                              ("host", torch.device("cpu"), lambda p: DeepSpeedCPUAdam([p], lr=1e-3))):
-        param = torch.nn.Parameter(torch.zeros(numel, device=dev))
-        param.grad = torch.randn(numel, device=dev)
-        optimizer = build(param)
-        times = []
-        for _ in range(repeats):
-            from benchmarks.common import cuda_sync, timed
-
-            times.append(timed(optimizer.step, cuda_sync)[1])
-        out[where] = median(times[1:]) / numel
-    return out
-
-
-def offload_step_costs(regime: Regime, runs: Sequence[Dict], compute: Dict[str, float]) -> Dict:
-    """Per phase: the offload planner's placement at the stated budget, and the predicted step time = measured
-    forward+backward + moved bytes / bandwidth + Adam on device and host at measured per-parameter rates."""
-    from ds_pseudo_real.offload.planner import (
-        PlacementLevel, TrainingSetup, estimate_activation_bytes, place, plan_placement, uniform_groups,
-    )
-
-    sizes = {}
-    for run in runs:
-        for phase, numel in run["parameters"].items():
-            sizes[phase] = numel
-    from benchmarks.common import build_gpt
-    import torch
-
-    with torch.device("meta"):
-        model = build_gpt(regime.n_layer, regime.d_model, regime.n_head, regime.seq_len, regime.moe)
-    layer = sum(p.numel() for p in model.layers[0].parameters())
-    other = sum(p.numel() for p in model.parameters()) - layer * regime.n_layer
-    activation = estimate_activation_bytes(regime.batch_size, regime.seq_len, regime.d_model, regime.n_head,
-                                           regime.n_layer, "fp32")
-    setup = TrainingSetup("fp32", 0, 1, activation, 0)
-
-    def groups_of(phase: str):
-        if phase.startswith("pseudo_g"):
-            return uniform_groups(regime.n_layer, layer, other, int(phase[len("pseudo_g"):]))
-        if phase.startswith("shallow"):
-            return uniform_groups(int(phase[len("shallow"):]), layer, other)
-        return uniform_groups(regime.n_layer, layer, other)
-
-    pseudo_resident = place(groups_of("pseudo_g1"), {}, setup).device_bytes
-    real_resident = place(groups_of("real"), {}, setup).device_bytes
-    budget = int(pseudo_resident + regime.offload["budget_fraction"] * (real_resident - pseudo_resident))
-    rates = adam_seconds_per_parameter(sizes.get("real", layer * regime.n_layer + other))
+def offload_step_costs(regime: Regime, runs: Sequence[Dict], step_cost: Dict[str, float]) -> Dict:
+    """Per phase: the plan every run of the regime trained under (they must agree), the bytes measured against
+    it, and the offload-model step = the cost-model step (measured, with the host Adam of the plan's offloaded
+    groups) + the plan's moved bytes at ``bandwidth_gbps`` (the transfer a CPU-as-device run does not pay)."""
     bandwidth = regime.offload["bandwidth_gbps"] * 1e9
-    out = {"budget_bytes": budget, "budget_rule": f"the fully shared pseudo model's all-resident bytes + "
-           f"{regime.offload['budget_fraction']} x (the real model's - the pseudo model's)", "bandwidth_bytes_per_s": bandwidth, "adam_seconds_per_parameter": rates,
-           "setup": asdict(setup), "phases": {}}
-    for phase in compute:
-        groups = groups_of(phase)
-        resident = place(groups, {}, setup, budget)
-        plan = resident if resident.fits() else plan_placement(groups, setup, budget, PlacementLevel.HOST_PARAMS)
-        host = sum(p.group.numel for p in plan.placements if p.level is not PlacementLevel.DEVICE)
-        device = sum(p.group.numel for p in plan.placements) - host
-        transfer = plan.moved_bytes_per_step / bandwidth
-        seconds = compute[phase] + device * rates["device"] + host * rates["host"] + transfer
+    out = {"budget_bytes": regime.offload["budget_bytes"],
+           "budget_rule": f"the fully shared pseudo model's all-resident bytes + {regime.offload['budget_fraction']}"
+                          f" x (the real model's - the pseudo model's)",
+           "bandwidth_bytes_per_s": bandwidth, "phases": {}}
+    for phase in step_cost:
+        records = [r["offload"][phase] for r in runs if phase in r.get("offload", {})]
+        plans = {str(sorted(rec["plan"]["levels"].items())) for rec in records}
+        if len(plans) != 1:
+            raise ValueError(f"phase {phase}: the runs trained under {len(plans)} different plans; expected one")
+        plan = records[0]["plan"]
+        transfer = plan["moved_bytes_per_step"] / bandwidth
         out["phases"][phase] = {
-            "levels": {lvl.value: sum(p.level is lvl for p in plan.placements) for lvl in PlacementLevel},
-            "device_bytes": plan.device_bytes, "resident_device_bytes": resident.device_bytes,
-            "fits_without_offload": resident.fits(), "host_optimizer_params": host, "device_optimizer_params": device,
-            "moved_bytes_per_step": plan.moved_bytes_per_step, "compute_s": compute[phase],
-            "transfer_s": transfer, "device_adam_s": device * rates["device"], "host_adam_s": host * rates["host"],
-            "step_s": seconds,
+            **plan, "runs": len(records), "runs_matching_plan": sum(rec["matches_plan"] for rec in records),
+            "measured_moved_bytes_per_step": sorted({m for rec in records for m in rec["moved_bytes_per_step"]}),
+            "measured_held_bytes": [dict(t) for t in {tuple(sorted(rec["held_bytes"].items())) for rec in records}],
+            "measured_step_s": step_cost[phase], "transfer_s": transfer, "step_s": step_cost[phase] + transfer,
         }
     return out
 
@@ -455,7 +501,8 @@ def print_tables(regime: Regime, summary: Dict, clocks: Sequence[str], costs: Di
         fv = entry["final_val"]
         diff = fv.get("paired_minus_scratch", {})
         row = [entry["arm"]["name"], f"{fmt(fv['mean'])}±{fmt(fv['std'])}",
-               f"{fmt(diff.get('mean'), signed=True)}±{fmt(diff.get('std'))} ({diff.get('negative', 0)}/{diff.get('n', 0)} <0)"]
+               f"{fmt(diff.get('mean'), signed=True)}±{fmt(diff.get('std'))} ({diff.get('negative', 0)}/{diff.get('n', 0)} <0"
+               + (f", t {fmt(diff.get('t'), 2, signed=True)}, sign p {fmt(diff.get('sign_p'), 3)})" if diff.get("n") else ")")]
         for metric in ["steps_to_target"] + [f"{c}_to_target" for c in clocks]:
             value, ratio = entry[metric], entry[f"{metric}_ratio_to_scratch"]
             miss = f", {value['missing']} never" if value["missing"] else ""
@@ -513,7 +560,7 @@ def plot(regime: Regime, runs: List[Dict], clocks: Dict[str, Optional[Dict[str, 
                 ax.plot([mean_x[i]], [mean_y[i]], "v", color=color, markersize=8)
         ax.set_xlabel({"steps": "step", "wall": "measured wall-clock s (training only)",
                        "cost": "cost-model s (phase median x steps)",
-                       "offload": "offload-model s (predicted at budget)"}.get(clock, clock))
+                       "offload": "offload-model s (measured + modelled transfer)"}.get(clock, clock))
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom - 0.02, top + 0.02)
     axes[0].set_ylabel("validation loss (nats/byte)")
@@ -535,24 +582,31 @@ def run_regime(regime: Regime, seeds: Sequence[int], corpus, out_dir: Path, tag:
         print(f"\n# regime {regime.name}: {len(regime.arms)} variants x {len(seeds)} seeds, {regime.steps} steps each",
               flush=True)
         runs = []
-        for seed in seeds:  # interleaved: every variant of a seed before the next seed
+        for i, seed in enumerate(seeds):  # interleaved: every variant of a seed before the next seed
             for arm in regime.arms:
                 runs.append(run_arm(regime, arm, seed, corpus))
-        write_json(path, {"regime": asdict(regime), "seeds": list(seeds), "machine": machine,
-                          "elapsed_s": time.perf_counter() - started, "runs": runs})  # kept if the analysis fails
+                # after every run: an interrupted run keeps what finished, and --reanalyse reads its whole seeds
+                write_json(path, {"regime": asdict(regime), "seeds": list(seeds[:i + 1]), "machine": machine,
+                                  "elapsed_s": time.perf_counter() - started, "runs": runs})
     step_cost = phase_medians(runs, "step_s")
     clocks: Dict[str, Optional[Dict[str, float]]] = {"wall": None, "cost": step_cost}
-    if regime.moe is not None and offload is None:
-        offload = offload_step_costs(regime, runs, phase_medians(runs, "compute_s"))
+    if "budget_bytes" in regime.offload and offload is None:
+        offload = offload_step_costs(regime, runs, step_cost)
     if offload is not None:
         clocks["offload"] = {phase: v["step_s"] for phase, v in offload["phases"].items()}
     summary = analyse(regime, runs, clocks)
     table = print_tables(regime, summary, list(clocks), step_cost)
-    if offload:
+    if offload and "runs_matching_plan" in next(iter(offload["phases"].values()), {}):
+        print(f"granular offload at a device budget of {offload['budget_bytes']:,} B ({offload['budget_rule']}):")
         for phase, v in offload["phases"].items():
-            print(f"offload model {phase}: fits without offload {v['fits_without_offload']}, levels {v['levels']}, "
-                  f"compute {v['compute_s']:.4f}s + transfer {v['transfer_s']:.4f}s + device Adam {v['device_adam_s']:.4f}s"
-                  f" + host Adam {v['host_adam_s']:.4f}s = {v['step_s']:.4f}s", flush=True)
+            verdict = ("equal to the plan's prediction in every run" if v["runs_matching_plan"] == v["runs"]
+                       else f"NOT equal to the plan's prediction in {v['runs'] - v['runs_matching_plan']} of {v['runs']} runs")
+            print(f"  {phase}: levels {v['level_counts']}, planned device {v['device_bytes']:,} B; optimizer held "
+                  f"{v['measured_held_bytes']} (plan device {v['optimizer_device_bytes']:,}, host "
+                  f"{v['optimizer_host_bytes']:,}), moved {v['measured_moved_bytes_per_step']} B/step (plan "
+                  f"{v['moved_bytes_per_step']:,}): {verdict}", flush=True)
+            print(f"  {phase}: offload-model step = measured {v['measured_step_s']:.4f}s + transfer "
+                  f"{v['transfer_s']:.4f}s = {v['step_s']:.4f}s", flush=True)
     payload = {
         "regime": asdict(regime), "seeds": list(seeds), "machine": machine,
         "elapsed_s": time.perf_counter() - started, "cost_model_step_s": step_cost, "offload_model": offload,
@@ -570,6 +624,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="smoke run: fewer steps, variants and seeds (~2 min)")
     p.add_argument("--regime", choices=("dense", "memory_bound", "both"), default="both")
     p.add_argument("--seeds", type=int, default=None, help="seeds per variant (default 3, quick 2)")
+    p.add_argument("--arms", default=None,
+                   help="comma-separated variant names to run (default: all of the regime's), scratch included")
     p.add_argument("--steps", type=int, default=None, help="dense steps (default 400, quick 60)")
     p.add_argument("--mb-steps", type=int, default=None, help="memory-bound steps (default 160, quick 30)")
     p.add_argument("--n-layer", type=int, default=8)
@@ -613,7 +669,8 @@ def main(argv=None) -> int:
 
             stored = json.loads((args.out / f"convergence_{regime.name}{tag}.json").read_text())
             stored_regime = dict(stored["regime"], arms=[Arm(**a) for a in stored["regime"]["arms"]])
-            run_regime(Regime(**stored_regime), stored["seeds"], None, args.out, tag, stored["runs"],
+            complete = [r for r in stored["runs"] if r["seed"] in stored["seeds"]]
+            run_regime(Regime(**stored_regime), stored["seeds"], None, args.out, tag, complete,
                        stored["elapsed_s"], stored["machine"], stored.get("offload_model"))
         else:
             run_regime(regime, seeds, corpus, args.out, tag)
