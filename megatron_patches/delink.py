@@ -12,13 +12,13 @@ Megatron internals used (written against megatron-core 0.16.1, all in ``_AdamSta
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.optimizer.optimizer import FP32Optimizer
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 from ds_pseudo_real.config import OptimizerStatePolicy
 from ds_pseudo_real.transition import member_moments
@@ -54,82 +54,108 @@ def _zero_lr(torch_optimizer: torch.optim.Optimizer):
 
 
 class _AdamState:
-    """Full (unsharded) Adam moments of one model parameter, read from / written to a Megatron optimizer."""
+    """Full (unsharded) Adam moments and fp32 master of one model parameter, read from / written to a Megatron
+    optimizer. ``read`` returns ``exp_avg``, ``exp_avg_sq``, ``step`` (those the optimizer has) and ``main``
+    (the fp32 master: more precise than the bf16/fp16 weights the real model is loaded from)."""
 
     def __init__(self, inner):
-        if not isinstance(inner, (DistributedOptimizer, FP32Optimizer)):
+        if isinstance(inner, DistributedOptimizer):
+            self.inner, self.main = inner, None
+            return
+        if isinstance(inner, FP32Optimizer):
+            self.main = {id(p): p for group in inner.optimizer.param_groups for p in group["params"]}
+        elif isinstance(inner, Float16OptimizerWithFloat16Params):
+            # Its torch optimizer steps fp32 copies of the bf16/fp16 weights (and the fp32 weights themselves);
+            # Adam's state is keyed by those.
+            self.main = {id(model): main for models, mains in zip(inner.float16_groups, inner.fp32_from_float16_groups)
+                         for model, main in zip(models, mains)}
+            self.main.update({id(p): p for group in inner.fp32_from_fp32_groups for p in group})
+        else:
             raise NotImplementedError(
-                f"pseudo_to_real.optimizer_state copy/scale: {type(inner).__name__} is not supported; use "
-                f"--use-distributed-optimizer (any precision) or fp32 without it, or optimizer_state 'reset'"
+                f"pseudo_to_real.optimizer_state copy/scale: {type(inner).__name__} is not supported; accepted: "
+                f"DistributedOptimizer, Float16OptimizerWithFloat16Params (bf16/fp16) and FP32Optimizer, or "
+                f"optimizer_state 'reset'"
             )
         self.inner = inner
 
     def holds(self, param: torch.nn.Parameter) -> bool:
-        if isinstance(self.inner, DistributedOptimizer):  # on every rank, whether or not it owns a shard of it
+        if self.main is None:  # on every rank, whether or not it owns a shard of it
             return any(param in buffer.param_index_map for buffer in self.inner.buffers)
-        return any(param is p for group in self.inner.optimizer.param_groups for p in group["params"])
+        return id(param) in self.main
 
     def read(self, param: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
         """Collective over the optimizer's data-parallel group for a DistributedOptimizer."""
-        if isinstance(self.inner, FP32Optimizer):
-            state = self.inner.optimizer.state.get(param, {})
-            return {k: state[k].detach().clone() for k in (*MOMENTS, "step") if k in state}
-        full = {k: torch.zeros(param.numel(), dtype=torch.float32) for k in MOMENTS}  # shards summed into it
+        if self.main is not None:
+            main = self.main[id(param)]
+            state = self.inner.optimizer.state.get(main, {})
+            return {"main": main.detach().clone(),
+                    **{k: state[k].detach().clone() for k in (*MOMENTS, "step") if k in state}}
+        full = {k: torch.zeros(param.numel(), dtype=torch.float32) for k in ("main", *MOMENTS)}  # shards summed in
         step = torch.zeros((), dtype=torch.float32)
         if param in self.inner.model_param_group_index_map:
             shard = self.inner._get_main_param_and_optimizer_states(param)
             where = self.inner._get_model_param_range_map(param)["param"]
-            for k in MOMENTS:
-                full[k][where.start:where.end] = shard[k].float()
-            step = shard["step"].detach().float().clone()
-        for k in MOMENTS:
-            dist.all_reduce(full[k], group=self.inner.data_parallel_group)
+            for k, source in (("main", "param"), *((m, m) for m in MOMENTS)):
+                if source in shard:
+                    full[k][where.start:where.end] = shard[source].detach().float().view(-1)
+            if "step" in shard:
+                step = shard["step"].detach().float().clone()
+        for tensor in full.values():
+            dist.all_reduce(tensor, group=self.inner.data_parallel_group)
         dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.inner.data_parallel_group)
         return {**{k: v.view(param.shape) for k, v in full.items()}, "step": step}
 
     def prepare_write(self) -> None:
-        """A DistributedOptimizer only has state tensors to write into after a step: take one that changes nothing."""
-        if isinstance(self.inner, DistributedOptimizer):
+        """A DistributedOptimizer only has state tensors to write into after a step: take one that changes nothing.
+        Only for moments: its fp32 masters exist from the start."""
+        if self.main is None:
             with _zero_lr(self.inner.optimizer):
                 self.inner._init_optimizer_states_with_dummy_values()
 
     @torch.no_grad()
-    def write(self, param: torch.nn.Parameter, moments: Dict[str, torch.Tensor], step: torch.Tensor) -> None:
-        if isinstance(self.inner, FP32Optimizer):
-            self.inner.optimizer.state[param] = {"step": step.clone(), **{k: moments[k].clone() for k in MOMENTS}}
+    def write(self, param: torch.nn.Parameter, main: torch.Tensor, moments: Optional[Dict[str, torch.Tensor]],
+              step: Optional[torch.Tensor]) -> None:
+        """Set the fp32 master to ``main`` and, unless ``moments`` is None (reset), Adam's moments and step."""
+        if self.main is not None:
+            target = self.main[id(param)]
+            if target is not param:
+                target.copy_(main)
+            if moments is not None:
+                self.inner.optimizer.state[target] = {"step": step.clone(), **{k: moments[k].clone() for k in MOMENTS}}
             return
         if param not in self.inner.model_param_group_index_map:
             return
-        current = self.inner._get_main_param_and_optimizer_states(param)
         where = self.inner._get_model_param_range_map(param)["param"]
-        tensors = {"param": current["param"], "step": step.to(current["step"].dtype)}
-        for k in MOMENTS:
-            tensors[k] = moments[k].reshape(-1)[where.start:where.end]
+        tensors = {"param": main.reshape(-1)[where.start:where.end]}
+        if moments is not None:
+            current = self.inner._get_main_param_and_optimizer_states(param)
+            tensors["step"] = step.to(current["step"].dtype)
+            for k in MOMENTS:
+                tensors[k] = moments[k].reshape(-1)[where.start:where.end]
         self.inner._set_main_param_and_optimizer_states(param, tensors)
 
 
-def _read_moments(module: torch.nn.Module, optimizer) -> Dict[int, Dict[str, torch.Tensor]]:
-    """Moments of every unique parameter of ``module``, keyed by ``id(param)``."""
+def read_adam_states(module: torch.nn.Module, optimizer) -> Dict[int, Dict[str, torch.Tensor]]:
+    """Master, Adam moments and step of every unique parameter of ``module``, keyed by ``id(param)``.
+
+    Collective for a DistributedOptimizer (every rank gets the full tensors): call it on every rank."""
     out = {}
     for inner in _inner_optimizers(optimizer):
         access = _AdamState(inner)
         for _, param in module.named_parameters():
             if access.holds(param):
-                state = access.read(param)
-                if state:
-                    out[id(param)] = state
+                out[id(param)] = access.read(param)
     return out
 
 
-def _write_moments(module: torch.nn.Module, optimizer, source: Callable[[str], Tuple[Dict, torch.Tensor]]) -> None:
+def _write_states(module: torch.nn.Module, optimizer, source: Callable[[str], tuple], moments: bool) -> None:
     for inner in _inner_optimizers(optimizer):
         access = _AdamState(inner)
-        access.prepare_write()
+        if moments:
+            access.prepare_write()
         for name, param in module.named_parameters():
             if access.holds(param):
-                found = source(name)
-                if found is not None:
-                    access.write(param, *found)
+                access.write(param, *source(name))
 
 
 def delink_in_process(
@@ -143,30 +169,29 @@ def delink_in_process(
     ``build_wrapped()`` builds the real model (same config, plain TransformerBlock) wrapped the way the run wraps
     it, with a fresh optimizer, and returns ``(chunks, optimizer)`` (Megatron-LM: ``setup_model_and_optimizer``).
     The pseudo weights are loaded into it (state-dict keys are the same: the shared block keeps every layer's
-    name), then Adam's moments follow ``policy``: ``copy`` (every layer starts from the shared moments), ``scale``
-    (divided by the number of layers that shared them, squared for the second moment) or ``reset``; the step
-    count is kept except on ``reset``. Call it on every rank at the same iteration, between optimizer steps.
+    name) and every layer's fp32 master is set to the shared one (bf16/fp16 weights alone would round it). Adam's
+    moments follow ``policy``: ``copy`` (every layer starts from the shared moments), ``scale`` (divided by the
+    number of layers that shared them, squared for the second moment) or ``reset``; the step count is kept except
+    on ``reset``. Call it on every rank at the same iteration, between optimizer steps.
     """
     policy = OptimizerStatePolicy(policy).value
-    pseudo_modules = [chunk.module for chunk in model_chunks]
     carry = policy != OptimizerStatePolicy.RESET.value
-    moments = [_read_moments(m, optimizer) for m in pseudo_modules] if carry else []
+    pseudo_modules = [chunk.module for chunk in model_chunks]
+    states = [read_adam_states(m, optimizer) for m in pseudo_modules]
     new_chunks, new_optimizer = build_wrapped()
-    for pseudo, chunk in zip(pseudo_modules, new_chunks):
+    for pseudo, chunk, chunk_states in zip(pseudo_modules, new_chunks, states):
         chunk.module.load_state_dict(pseudo.state_dict(), strict=True)
-    new_optimizer.reload_model_params()  # main (fp32) copies of bf16/fp16 weights follow the loaded weights
-    for pseudo, chunk, chunk_moments in zip(pseudo_modules, new_chunks, moments):
         named = dict(pseudo.named_parameters(remove_duplicate=False))
         uses: Dict[int, int] = {}
         for param in named.values():
             uses[id(param)] = uses.get(id(param), 0) + 1
 
-        def source(name, named=named, uses=uses, chunk_moments=chunk_moments):
+        def source(name, named=named, uses=uses, chunk_states=chunk_states):
             shared = named[name]
-            state = chunk_moments.get(id(shared))
-            if state is None:
-                return None
-            return member_moments(policy, {k: state[k] for k in MOMENTS}, uses[id(shared)]), state["step"]
+            state = chunk_states[id(shared)]
+            if not carry or "exp_avg" not in state:  # reset, or a parameter Adam has not stepped yet
+                return state["main"], None, None
+            return state["main"], member_moments(policy, {k: state[k] for k in MOMENTS}, uses[id(shared)]), state["step"]
 
-        _write_moments(chunk.module, new_optimizer, source)
+        _write_states(chunk.module, new_optimizer, source, moments=carry)
     return new_chunks, new_optimizer
