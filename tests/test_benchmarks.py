@@ -49,6 +49,29 @@ def test_paired_differences_match_seed_by_seed():
     assert common.spread([None, None])["n"] == 0
 
 
+def test_paired_statistics_t_and_sign_test():
+    out = common.paired_differences({0: 0.9, 1: 0.8, 2: 1.3}, {0: 1.0, 1: 1.0, 2: 1.0})
+    assert out["differences"] == pytest.approx([-0.1, -0.2, 0.3])
+    assert out["t"] == pytest.approx(out["mean"] / (out["std"] / math.sqrt(3)))
+    assert out["sign_p"] == pytest.approx(1.0)  # 2 of 3 below: 2 x P(X <= 1), X ~ Bin(3, 1/2) = 2 x 4/8, capped
+    # 10 of 10 below: 2 / 2**10; 9 of 10: 2 x 11 / 2**10; ties leave the count
+    assert common.sign_test_p(10, 0) == pytest.approx(2 / 1024)
+    assert common.sign_test_p(9, 1) == pytest.approx(22 / 1024)
+    assert common.sign_test_p(0, 0) is None
+    assert common.paired_differences({0: 1.0}, {0: 1.5})["t"] is None
+
+
+def test_select_arms_keeps_the_regime_order_and_requires_scratch():
+    arms = convergence.memory_bound_arms(quick=False)
+    chosen = convergence.select_arms(arms, "p2r@25% scale, scratch")
+    assert [a.name for a in chosen] == ["scratch", "p2r@25% scale"]
+    assert convergence.select_arms(arms, None) == arms
+    with pytest.raises(SystemExit, match="--arms.*p2r@99%"):
+        convergence.select_arms(arms, "scratch,p2r@99%")
+    with pytest.raises(SystemExit, match="includes 'scratch'"):
+        convergence.select_arms(arms, "p2r@10% scale")
+
+
 def _run(arm, seed, evals, phases, step_s, switch=None):
     return {"arm": arm, "seed": seed, "switch_step": switch, "parameters": {"real": 10}, "transition": None,
             "phases": phases, "compute_s": step_s, "optimizer_s": [0.0] * len(step_s), "step_s": step_s,
@@ -164,3 +187,40 @@ def test_progressive_stacking_on_a_deepspeed_engine():
     assert deep.global_steps == 3
     assert not torch.equal(params["layers.1.fc.weight"], params["layers.0.fc.weight"])
     deep.engine.destroy()
+
+
+def test_memory_bound_smoke_trains_through_granular_offload_as_planned():
+    """A 2-layer MoE at the memory-bound budget rule: the pseudo model fits on the device, the real one does not.
+    Scratch and Pseudo-to-Real train through ``granular_offload``; the bytes the optimizer holds and moves in each
+    phase equal the plan's, the delink recomputes the plan, and the offload clock adds the plan's transfer."""
+    common.init_single_process()
+    from ds_pseudo_real.data import ByteCorpus
+
+    arms = [convergence.Arm("scratch"), convergence.Arm("p2r@50% scale", "pseudo_to_real", 0.5)]
+    regime = convergence.Regime("memory_bound", 2, 16, 2, 8, 2, 4, 1e-2, 1, 2, 1, arms,
+                                moe=dict(num_experts=8, num_prototypes=2, ffn=16, capacity_factor=1.25,
+                                         balance_coeff=0.01),
+                                offload=dict(bandwidth_gbps=10.0, budget_fraction=0.5))
+    regime.offload.update(convergence.offload_budget(regime))
+    budget = regime.offload
+    assert budget["pseudo_resident_bytes"] < budget["budget_bytes"] < budget["real_resident_bytes"]
+    corpus = ByteCorpus(max_bytes=1 << 18)
+    runs = [convergence.run_arm(regime, arm, 0, corpus, verbose=False) for arm in arms]
+    scratch, p2r = runs
+    assert list(scratch["offload"]) == ["real"] and list(p2r["offload"]) == ["pseudo_g1", "real"]
+    pseudo, real = p2r["offload"]["pseudo_g1"], p2r["offload"]["real"]
+    assert pseudo["plan"]["level_counts"]["device"] == 2 and pseudo["moved_bytes_per_step"] == [0]
+    assert real["plan"]["level_counts"]["host_optimizer"] == 1
+    assert real["plan"]["levels"] == scratch["offload"]["real"]["plan"]["levels"]
+    for record in (pseudo, real, scratch["offload"]["real"]):
+        plan = record["plan"]
+        assert record["moved_bytes_per_step"] == [plan["moved_bytes_per_step"]]
+        assert record["held_bytes"] == {"device": plan["optimizer_device_bytes"], "host": plan["optimizer_host_bytes"]}
+        assert record["matches_plan"]
+    # a host_optimizer group moves its fp32 gradient to the host and its fp32 master back: 8 bytes per parameter
+    host_numel = real["plan"]["optimizer_host_bytes"] // 16  # master + gradient buffer + two moments, fp32
+    assert real["plan"]["moved_bytes_per_step"] == 8 * host_numel > 0
+    costs = convergence.offload_step_costs(regime, runs, {"pseudo_g1": 1.0, "real": 2.0})
+    assert costs["phases"]["real"]["step_s"] == pytest.approx(2.0 + real["plan"]["moved_bytes_per_step"] / 10e9)
+    assert costs["phases"]["pseudo_g1"]["step_s"] == 1.0
+    assert costs["phases"]["real"]["runs_matching_plan"] == 2
