@@ -7,13 +7,15 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from deepspeed.moe.layer import MoE
+from deepspeed.moe.utils import is_moe_param
 from torch import nn
 
 from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.offload.config import SECTION, explicit_levels, parse_granular_offload, training_setup
 from ds_pseudo_real.offload.optimizer import GranularOffloadOptimizer
 from ds_pseudo_real.offload.planner import (
-    OTHER, GroupSize, OffloadPlan, PlacementLevel, PlanError, describe_plan, place, plan_placement,
+    EXPERTS, OTHER, GroupSize, OffloadPlan, PlacementLevel, PlanError, describe_plan, place, plan_placement,
 )
 from ds_pseudo_real.sharing import get_layer_list
 
@@ -21,29 +23,71 @@ ADAM_TYPES = {"adam": None, "adamw": True}  # DeepSpeed: "Adam" takes adam_w_mod
 ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
 
 
-def model_groups(model: nn.Module, layer_path: str) -> Tuple[List[GroupSize], List[List[nn.Parameter]]]:
-    """One group per layer that owns parameters not seen in an earlier layer, plus ``other`` for the rest.
+def _numel(params: List[nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _expert_data_parallel_sizes(model: nn.Module, world_size: int) -> Dict[str, int]:
+    """DeepSpeed expert group name -> ranks ZeRO partitions that group's experts over (world / ep_size)."""
+    sizes = {}
+    for module in model.modules():
+        if isinstance(module, MoE):
+            if world_size % module.ep_size:
+                raise PlanError(f"MoE ep_size: got {module.ep_size} for {module.expert_group_name!r}; it must divide "
+                                f"the world size ({world_size})")
+            sizes[module.expert_group_name] = world_size // module.ep_size
+    return sizes
+
+
+def model_groups(model: nn.Module, layer_path: str, world_size: int = 1
+                 ) -> Tuple[List[GroupSize], List[List[nn.Parameter]]]:
+    """One group per layer that owns parameters not seen in an earlier layer, then one ``layer<i>.experts`` per
+    layer owning DeepSpeed MoE expert parameters (``allreduce=False``), then ``other`` for the rest.
 
     Parameters shared between layers (a pseudo model) belong to the first layer using them, counted once;
-    ``uses`` says how many layers run with them. Parameters that do not require grad are left out.
+    ``uses`` says how many layers run with them. Parameters that do not require grad are left out. An expert
+    group's ``dp_size`` is its expert-data-parallel size over ``world_size`` ranks. Raises :class:`PlanError` for
+    expert parameters outside the layer list or of two expert groups in one layer (DeepSpeed reduces each
+    optimizer group over one expert-data-parallel group).
     """
     layers = get_layer_list(model, layer_path)
+    expert_dp = _expert_data_parallel_sizes(model, world_size)
     uses: Dict[int, int] = {}
     for layer in layers:
         for p in set(layer.parameters()):
             uses[id(p)] = uses.get(id(p), 0) + 1
-    seen, sizes, params = set(), [], []
+    seen, dense, experts = set(), [], []
     for i, layer in enumerate(layers):
         own = [p for p in layer.parameters() if id(p) not in seen and p.requires_grad]
         seen.update(id(p) for p in layer.parameters())
-        if own:
-            sizes.append(GroupSize(f"layer{i}", sum(p.numel() for p in own), i, max(uses[id(p)] for p in own)))
-            params.append(own)
+        plain = [p for p in own if not is_moe_param(p)]
+        expert = [p for p in own if is_moe_param(p)]
+        if plain:
+            dense.append((GroupSize(f"layer{i}", _numel(plain), i, max(uses[id(p)] for p in plain)), plain))
+        if expert:
+            names = sorted({p.group_name for p in expert})
+            if len(names) > 1 or names[0] not in expert_dp:
+                raise PlanError(f"granular_offload: layer {i} has expert parameters of DeepSpeed expert groups "
+                                f"{names}; accepted: one expert group per layer, from a deepspeed.moe.layer.MoE "
+                                f"(known: {sorted(expert_dp)})")
+            experts.append((GroupSize(f"layer{i}{EXPERTS}", _numel(expert), i, max(uses[id(p)] for p in expert),
+                                      expert_dp[names[0]]), expert))
     rest = [p for p in model.parameters() if id(p) not in seen and p.requires_grad]
-    if rest:
-        sizes.append(GroupSize(OTHER, sum(p.numel() for p in rest)))
-        params.append(rest)
-    return sizes, params
+    if any(is_moe_param(p) for p in rest):
+        raise PlanError(f"granular_offload: MoE expert parameters outside the layer list {layer_path!r} are not "
+                        f"placeable; accepted: experts inside the layers (planned as 'layer<i>{EXPERTS}')")
+    groups = dense + experts + ([(GroupSize(OTHER, _numel(rest)), rest)] if rest else [])
+    return [size for size, _ in groups], [ps for _, ps in groups]
+
+
+def param_group(size: GroupSize, params: List[nn.Parameter], level: PlacementLevel) -> Dict[str, Any]:
+    """One optimizer param group: our placement (``placement``, ``level``) and, for experts, DeepSpeed's MoE keys
+    (``moe``, and ``name`` = the expert group, which ZeRO 1/2 and the bf16 optimizer read to pick the
+    expert-data-parallel group: DeepSpeed 0.19.8 ``_configure_moe_settings``)."""
+    group = {"params": params, "placement": size.name, "level": level.value}
+    if size.is_experts:
+        group.update(moe=True, name=params[0].group_name)
+    return group
 
 
 def adam_arguments(ds_config: Mapping[str, Any]) -> Dict[str, Any]:
@@ -75,25 +119,26 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
 
     Returns ``(optimizer, patched_config, plan)``. Without an enabled ``"granular_offload"`` section:
     ``(None, ds_config, None)``, nothing changed. With it: the optimizer built from ``ds_config["optimizer"]``
-    (Adam/AdamW) over one param group per layer plus ``other``, at the plan's levels; a deep copy of the config
+    (Adam/AdamW) over one param group per layer, one per layer's MoE experts (with DeepSpeed's ``moe``/``name``
+    keys) and ``other``, at the plan's levels; a deep copy of the config
     without ``"optimizer"`` and with ``zero_allow_untested_optimizer: true`` and ``zero_force_ds_cpu_optimizer:
     false``; and the :class:`OffloadPlan` (``describe_offload_plan(plan)`` renders it for logs).
 
     Call it again on the real model at the delink: a new plan and a new optimizer, nothing reused. Layers at
     ``host_params`` get hooks on their modules (``optimizer.host_params.remove()`` takes them off). Raises
-    :class:`ConfigError` for a bad section or optimizer, :class:`PlanError` when nothing fits the budget.
+    :class:`ConfigError` for a bad section or optimizer, :class:`PlanError` when nothing fits the budget or a
+    level is not accepted for a group (``host_params`` for experts or ``other``).
     """
     section = parse_granular_offload(ds_config)
     if section is None:
         return None, ds_config, None
-    sizes, params = model_groups(model, layer_path)
+    sizes, params = model_groups(model, layer_path, world_size)
     setup = training_setup(ds_config, section, world_size, len(get_layer_list(model, layer_path)))
     if section.levels is not None:
         plan = place(sizes, explicit_levels(section, sizes, len(get_layer_list(model, layer_path))), setup)
     else:
         plan = plan_placement(sizes, setup, section.device_memory, PlacementLevel(section.max_level))
-    groups = [{"params": ps, "name": size.name, "level": plan.level_of(size.name).value}
-              for size, ps in zip(sizes, params)]
+    groups = [param_group(size, ps, plan.level_of(size.name)) for size, ps in zip(sizes, params)]
     host_params = None
     if any(g["level"] == PlacementLevel.HOST_PARAMS.value for g in groups):
         from ds_pseudo_real.offload.params import HostParamStore
@@ -114,5 +159,5 @@ def describe_offload_plan(plan: Optional[OffloadPlan]) -> str:
     return "granular offload: off" if plan is None else describe_plan(plan)
 
 
-__all__ = ["build_offload_optimizer", "describe_offload_plan", "model_groups", "adam_arguments",
+__all__ = ["build_offload_optimizer", "describe_offload_plan", "model_groups", "param_group", "adam_arguments",
            "GranularOffloadOptimizer", "OffloadPlan", "PlacementLevel", "PlanError", "plan_placement"]

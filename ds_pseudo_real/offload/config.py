@@ -24,7 +24,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ds_pseudo_real.config import ConfigError, SectionModel, validate_section
 from ds_pseudo_real.offload.planner import (
-    OTHER, GroupSize, PlacementLevel, PlanError, TrainingSetup, estimate_activation_bytes, parse_bytes,
+    EXPERTS, OTHER, GroupSize, PlacementLevel, PlanError, TrainingSetup, estimate_activation_bytes, parse_bytes,
 )
 
 SECTION = "granular_offload"
@@ -136,13 +136,14 @@ def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig,
 
 def explicit_levels(section: GranularOffloadConfig, groups: Sequence[GroupSize],
                     num_layers: Optional[int] = None) -> Dict[str, PlacementLevel]:
-    """Map ``section.levels`` (a list over layers, or a dict by layer index / 'other') onto group names.
+    """Map ``section.levels`` onto group names: a list covers the layers' dense groups; a dict is keyed by layer
+    index, ``'<index>.experts'`` (that layer's MoE experts) or ``'other'``. Groups not named stay on the device.
 
     ``num_layers``: the model's layer count when its groups are those of a pseudo model. Levels may then be
     given for all its layers (as for the real model the same config delinks into); a shared set takes the level
     of its first layer and the other layers' entries wait for the real stage.
     """
-    layers = [g for g in groups if g.is_layer and "." not in g.name]
+    layers = [g for g in groups if g.is_layer and not g.is_experts]
     if isinstance(section.levels, list):
         if len(section.levels) == len(layers):
             return {g.name: PlacementLevel(level) for g, level in zip(layers, section.levels)}
@@ -151,9 +152,12 @@ def explicit_levels(section: GranularOffloadConfig, groups: Sequence[GroupSize],
         raise ConfigError(f"invalid config:\n  {SECTION}.levels: got a list of {len(section.levels)} levels, "
                           f"the model has {num_layers or len(layers)} layers; accepted: one level per layer, or a dict")
     names = {g.name[len("layer"):] if g.is_layer else OTHER: g.name for g in groups}
-    later = {str(i) for i in range(num_layers or 0)} - set(names)  # layers whose parameters a leader holds
+    later = {str(i) for i in range(num_layers or 0)}  # layers whose parameters a leader holds
+    if any(g.is_experts for g in groups):
+        later |= {f"{i}{EXPERTS}" for i in range(num_layers or 0)}
+    later -= set(names)
     unknown = [k for k in section.levels if k not in names and k not in later]
     if unknown:
         raise ConfigError(f"invalid config:\n  {SECTION}.levels: got keys {unknown} not in the model; "
-                          f"accepted: {sorted(set(names) | later, key=lambda k: (k == OTHER, len(k), k))}")
+                          f"accepted: {sorted(set(names) | later, key=lambda k: (k == OTHER, k.endswith(EXPERTS), len(k), k))}")
     return {names[k]: PlacementLevel(v) for k, v in section.levels.items() if k in names}

@@ -7,6 +7,10 @@ touch the engine. Written against DeepSpeed 0.19.8: ZeRO 1/2 and the bf16 optimi
 every step reads the live group dicts and every state lives in ``self.state`` keyed by the group's own params
 (an inner optimizer with its own param lists would silently never update the weights).
 
+Group keys: ``placement`` (the plan's group name, ``layer3``, ``layer3.experts``, ``other``) and ``level``; expert
+groups also carry DeepSpeed's MoE keys ``moe: True`` and ``name`` (the DeepSpeed expert group, e.g. ``ep_size_2``),
+which is why the plan's name is not kept under ``name``.
+
 Levels (``group["level"]``):
   device          Adam on the params' own device, in place (on CPU: DeepSpeed's CPU Adam kernel; on CUDA: torch's
                   fused Adam, see ``_fused_device_adam`` for why not apex's).
@@ -26,7 +30,9 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam
 from ds_pseudo_real.offload.planner import PlacementLevel
 
 HOST = torch.device("cpu")
-_GROUP_KEYS = ("name", "level")
+# kept from the current plan when a checkpoint is loaded: ours, and DeepSpeed's MoE keys (checkpoints written
+# before expert groups existed hold the plan's group name under "name")
+_GROUP_KEYS = ("placement", "level", "moe", "name")
 
 
 def _fused_device_adam(params: List[torch.nn.Parameter], adamw_mode: bool, defaults: Dict[str, Any]):
@@ -38,7 +44,8 @@ def _fused_device_adam(params: List[torch.nn.Parameter], adamw_mode: bool, defau
 
 
 class GranularOffloadOptimizer(torch.optim.Optimizer):
-    """Adam(W) over parameter groups that each carry ``name`` and ``level`` (a :class:`PlacementLevel` value).
+    """Adam(W) over parameter groups that each carry ``placement`` and ``level`` (a :class:`PlacementLevel` value);
+    expert groups also carry DeepSpeed's ``moe`` and ``name``.
 
     ``adamw_mode`` True: decoupled weight decay (AdamW); False: L2 added to the gradient (Adam), as DeepSpeed's
     ``adam_w_mode``. ``host_params`` is the :class:`~ds_pseudo_real.offload.params.HostParamStore` of the model when
@@ -52,7 +59,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         for g in groups:
             g["level"] = PlacementLevel(g.get("level", PlacementLevel.DEVICE)).value
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, name=None, level=PlacementLevel.DEVICE.value)
+                        bias_correction=bias_correction, placement=None, level=PlacementLevel.DEVICE.value)
         super().__init__(groups, defaults)
         self.adamw_mode = adamw_mode
         self.host_params = host_params
@@ -68,7 +75,9 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         self._masters: Dict[torch.Tensor, torch.Tensor] = {}
         self._grad_buffers: Dict[torch.Tensor, torch.Tensor] = {}
         self._stale_masters: set = set()
-        self.moved_bytes = 0  # since construction; ZeRO 1/2 call step() once per group, so callers take differences
+        # since construction; ZeRO 1/2 call step() once per group, so callers take differences
+        self.moved_bytes = 0
+        self.moved_bytes_by_group: Dict[str, int] = {}  # the same, per ``placement``
 
     # ----- placement -----------------------------------------------------------------------------------------
     def _host_zeros(self, like: torch.Tensor) -> torch.Tensor:
@@ -138,7 +147,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                         event.record(self._d2h)
                 else:
                     grad.copy_(p.grad)
-                self.moved_bytes += grad.numel() * grad.element_size()
+                self._count_moved(group, grad)
                 pending.append((group, p, grad, event))
         return pending
 
@@ -157,7 +166,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                     p.data.copy_(master, non_blocking=True)
             else:
                 p.data.copy_(master)
-            self.moved_bytes += master.numel() * master.element_size()
+            self._count_moved(group, master)
         if self._cuda:
             # ZeRO copies the fp32 partition into the working params right after step() returns
             torch.cuda.current_stream().wait_stream(self._h2d)
@@ -178,11 +187,13 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
 
     # ----- checkpoints ---------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load states saved by any plan: the current plan's names and levels are kept, host states go back to the
+        """Load states saved by any plan: the current plan's group keys are kept, host states go back to the
         host (torch moves every state onto its param's device) and the host masters are re-read from the params."""
-        placement = [{k: g[k] for k in _GROUP_KEYS} for g in self.param_groups]
+        placement = [{k: g[k] for k in _GROUP_KEYS if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
         for group, keep in zip(self.param_groups, placement):
+            for key in _GROUP_KEYS:
+                group.pop(key, None)
             group.update(keep)
             for p in group["params"]:
                 if self.state.get(p):
@@ -231,11 +242,22 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         self._stale_masters = set(self._masters)
 
     # ----- accounting ----------------------------------------------------------------------------------------
+    def _count_moved(self, group: Dict[str, Any], tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        self.moved_bytes += size
+        self.moved_bytes_by_group[group["placement"]] = self.moved_bytes_by_group.get(group["placement"], 0) + size
+
     def held_bytes(self) -> Dict[str, int]:
         """Bytes this optimizer holds now: ``device`` (moments of device groups) and ``host`` (host masters, gradient
         buffers and moments of host groups; at host_params the master is the host params, counted here)."""
-        held = {"device": 0, "host": 0}
+        by_group = self.held_bytes_by_group().values()
+        return {where: sum(held[where] for held in by_group) for where in ("device", "host")}
+
+    def held_bytes_by_group(self) -> Dict[str, Dict[str, int]]:
+        """``held_bytes`` of each group, keyed by its ``placement``."""
+        out = {}
         for group in self.param_groups:
+            held = out[group["placement"]] = {"device": 0, "host": 0}
             where = "device" if group["level"] == PlacementLevel.DEVICE.value else "host"
             for p in group["params"]:
                 state = self.state.get(p) or {}
@@ -247,4 +269,4 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                     for tensor in (master, self._grad_buffers.get(p)):
                         if tensor is not None:
                             held["host"] += tensor.numel() * tensor.element_size()
-        return held
+        return out

@@ -29,6 +29,7 @@ ADAM_STATES = 2  # exp_avg, exp_avg_sq
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 OTHER = "other"  # name of the group holding every parameter outside the layer list
+EXPERTS = ".experts"  # suffix of a layer's MoE expert group: "layer3.experts"
 
 
 class PlacementLevel(str, Enum):
@@ -60,6 +61,16 @@ class GroupSize:
     @property
     def is_layer(self) -> bool:
         return self.index >= 0
+
+    @property
+    def is_experts(self) -> bool:
+        return self.name.endswith(EXPERTS)
+
+    @property
+    def fetchable(self) -> bool:
+        """Can live at HOST_PARAMS: the fetch hooks and the prefetch buffer model serve a layer's dense
+        parameters only (an expert group's fetch would share its layer's hooks and buffer)."""
+        return self.is_layer and not self.is_experts
 
 
 @dataclass(frozen=True)
@@ -201,9 +212,11 @@ def place(groups: Sequence[GroupSize], levels: Mapping[str, PlacementLevel], set
     plan = OffloadPlan(setup, budget_bytes)
     for group in groups:
         level = PlacementLevel(levels.get(group.name, PlacementLevel.DEVICE))
-        if level is PlacementLevel.HOST_PARAMS and not group.is_layer:
-            raise PlanError(f"granular_offload.levels.{group.name}: 'host_params' is for layers only (fetched by "
-                            f"layer hooks); accepted for {group.name!r}: 'device', 'host_optimizer'")
+        if level is PlacementLevel.HOST_PARAMS and not group.fetchable:
+            kind = "MoE experts" if group.is_experts else "parameters outside the layers"
+            raise PlanError(f"granular_offload.levels.{group.name}: 'host_params' is for a layer's dense parameters "
+                            f"only (fetched by layer hooks), not for {kind}; accepted for {group.name!r}: 'device', "
+                            f"'host_optimizer'")
         plan.placements.append(GroupPlacement(group, level, group_bytes(group.numel, level, setup, group.uses,
                                                                               group.dp_size)))
     return plan
@@ -230,7 +243,7 @@ def plan_placement(groups: Sequence[GroupSize], setup: TrainingSetup, budget_byt
             if order + 1 >= len(allowed):
                 continue
             nxt = allowed[order + 1]
-            if nxt is PlacementLevel.HOST_PARAMS and not placement.group.is_layer:
+            if nxt is PlacementLevel.HOST_PARAMS and not placement.group.fetchable:
                 continue
             trial = place(groups, {**levels, placement.group.name: nxt}, setup, budget_bytes)
             freed = plan.device_bytes - trial.device_bytes
@@ -272,7 +285,7 @@ def uniform_groups(num_layers: int, layer_params: int, other_params: int = 0, sh
     leaders = [g * size for g in range(groups_count)]
     groups = [GroupSize(f"layer{i}", layer_params, i, size) for i in leaders]
     if expert_params:
-        groups += [GroupSize(f"layer{i}.experts", expert_params, i, size, expert_dp_size) for i in leaders]
+        groups += [GroupSize(f"layer{i}{EXPERTS}", expert_params, i, size, expert_dp_size) for i in leaders]
     if other_params:
         groups.append(GroupSize(OTHER, other_params))
     return groups

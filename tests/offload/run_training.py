@@ -2,9 +2,12 @@
 
 Usage (1 rank with RANK/WORLD_SIZE/... set, or under torchrun): run_training.py CASE [CASE ...]
 CASE = delink:STAGE:PSEUDO_LEVELS:REAL_LEVELS trains the fully shared pseudo model, delinks it in the same
-process and trains the real model, each with its own plan. Otherwise CASE = STAGE:DTYPE:LEVELS[:GROUPS], LEVELS one letter per parameter-owning layer then one for the rest: d device,
-o host_optimizer, p host_params; e.g. 2:fp32:dodoo. GROUPS: train the pseudo model whose 4 layers share GROUPS sets. Results: losses of the reference (same Adam kernel, no offload) and of the
-granular run, the bytes held and moved against the plan, and a checkpoint save/load trajectory check.
+process and trains the real model, each with its own plan. CASE = moe:STAGE:EP_SIZE:LEVELS:EXPERT_LEVELS trains
+the MoE model (fp32, experts over EP_SIZE ranks) with EXPERT_LEVELS one letter per layer's experts. Otherwise
+CASE = STAGE:DTYPE:LEVELS[:GROUPS], LEVELS one letter per parameter-owning layer then one for the rest: d device,
+o host_optimizer, p host_params; e.g. 2:fp32:dodoo. GROUPS: train the pseudo model whose 4 layers share GROUPS sets.
+Results: losses of the reference (same Adam kernel, no offload) and of the granular run, the bytes held and moved
+against the plan (in total and per group), and a checkpoint save/load trajectory check.
 """
 import json
 import os
@@ -18,7 +21,7 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_model import TinyLM, batch  # noqa: E402
 
-from ds_pseudo_real.offload import build_offload_optimizer, model_groups  # noqa: E402
+from ds_pseudo_real.offload import PlacementLevel, build_offload_optimizer, model_groups, param_group  # noqa: E402
 from ds_pseudo_real.sharing import apply_sharing, delink_layers  # noqa: E402
 
 LETTERS = {"d": "device", "o": "host_optimizer", "p": "host_params"}
@@ -53,20 +56,38 @@ def moved_bytes(optimizer):
     return optimizer.moved_bytes + (optimizer.host_params.fetched_bytes if optimizer.host_params else 0)
 
 
-def make_model(groups):
+def parse(case):
+    """``(stage, dtype, levels section, GROUPS or None, EP_SIZE or None)`` of a CASE."""
+    if case.startswith("moe:"):
+        _, stage, ep_size, letters, experts = case.split(":")
+        levels = {**letter_levels(letters, 1), **{f"{i}.experts": LETTERS[c] for i, c in enumerate(experts)}}
+        return int(stage), "fp32", levels, None, int(ep_size)
+    stage, dtype, letters, *groups = case.split(":")
+    groups = int(groups[0]) if groups else None
+    return int(stage), dtype, letter_levels(letters, 4 // (groups or 4)), groups, None
+
+
+def letter_levels(letters, size):
+    """One letter per group leader (every ``size``-th layer), then one for ``other``."""
+    return {("other" if i == len(letters) - 1 else str(i * size)): LETTERS[c] for i, c in enumerate(letters)}
+
+
+def make_model(groups, ep_size=None):
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM(ep_size=ep_size)
     return apply_sharing(model, "layers", groups) if groups else model
 
 
-def reference(stage, dtype, groups, rank):
-    model = make_model(groups)
+def reference(stage, dtype, groups, rank, ep_size=None, world_size=1):
+    model = make_model(groups, ep_size)
     config = {k: v for k, v in ds_config(stage, dtype).items() if k != "optimizer"}
     config.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
-    # the same per-layer groups as the granular run: ZeRO 1/2 flatten and partition per group, and with one
-    # group instead the ZeRO 1 weights on 2 ranks came out different in the last bit (losses still equal)
-    _, groups = model_groups(model, "layers")
-    optimizer = DeepSpeedCPUAdam([{"params": ps} for ps in groups], adamw_mode=True, **ADAM)
+    # the same per-layer groups as the granular run (experts marked for DeepSpeed's MoE): ZeRO 1/2 flatten and
+    # partition per group, and with one group instead the ZeRO 1 weights on 2 ranks came out different in the
+    # last bit (losses still equal)
+    groups = [param_group(size, ps, PlacementLevel.DEVICE) for size, ps in zip(*model_groups(model, "layers",
+                                                                                           world_size))]
+    optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **ADAM)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     losses = train(engine, rank, 0, STEPS)
     params = flat_params(engine)
@@ -74,28 +95,27 @@ def reference(stage, dtype, groups, rank):
     return losses, params
 
 
-def granular(stage, dtype, levels, groups, rank, world_size):
-    model = make_model(groups)
+def granular(stage, dtype, levels, groups, world_size, ep_size=None):
+    model = make_model(groups, ep_size)
     config = ds_config(stage, dtype)
-    size = len(model.layers) // (groups or len(model.layers))
-    config["granular_offload"] = {"levels": {("other" if i == len(levels) - 1 else str(i * size)): LETTERS[c]
-                                             for i, c in enumerate(levels)}}
+    config["granular_offload"] = {"levels": levels}
     optimizer, patched, plan = build_offload_optimizer(model, config, "layers", world_size)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
     return engine, optimizer, plan
 
 
 def run_case(case, rank, world_size, checkpoint_dir):
-    stage, dtype, levels, *groups = case.split(":")
-    stage, groups = int(stage), int(groups[0]) if groups else None
-    ref_losses, ref_params = reference(stage, dtype, groups, rank)
-    engine, optimizer, plan = granular(stage, dtype, levels, groups, rank, world_size)
+    stage, dtype, levels, groups, ep_size = parse(case)
+    ref_losses, ref_params = reference(stage, dtype, groups, rank, ep_size, world_size)
+    engine, optimizer, plan = granular(stage, dtype, levels, groups, world_size, ep_size)
     losses = train(engine, rank, 0, STEPS - 1)
-    before = moved_bytes(optimizer)
+    before, before_by_group = moved_bytes(optimizer), dict(optimizer.moved_bytes_by_group)
     losses += train(engine, rank, STEPS - 1, 1)
     moved = moved_bytes(optimizer) - before
+    moved_by_group = {k: v - before_by_group.get(k, 0) for k, v in optimizer.moved_bytes_by_group.items()}
     params = flat_params(engine)
     held = optimizer.held_bytes()
+    held_by_group = optimizer.held_bytes_by_group()
     # checkpoint after STEPS and two more steps; then the same engine, and a fresh one, load it and replay them
     path = os.path.join(checkpoint_dir, case.replace(":", "_"))
     engine.save_checkpoint(path, tag="t")
@@ -105,7 +125,7 @@ def run_case(case, rank, world_size, checkpoint_dir):
     engine.destroy()
     if optimizer.host_params:
         optimizer.host_params.remove()
-    engine, optimizer, _ = granular(stage, dtype, levels, groups, rank, world_size)
+    engine, optimizer, _ = granular(stage, dtype, levels, groups, world_size, ep_size)
     engine.load_checkpoint(path, tag="t")
     after_load = train(engine, rank, STEPS, 2)
     engine.destroy()
@@ -113,9 +133,12 @@ def run_case(case, rank, world_size, checkpoint_dir):
         "case": case, "rank": rank, "ref_losses": ref_losses, "losses": losses,
         "params_equal": bool(torch.equal(ref_params, params)),
         "levels": plan.levels(),
-        "held": held, "moved": moved,
+        "held": held, "moved": moved, "held_by_group": held_by_group, "moved_by_group": moved_by_group,
         "plan": {"device": plan.optimizer_device_bytes, "host": plan.optimizer_host_bytes,
                  "moved": plan.moved_bytes_per_step},
+        "plan_by_group": {p.group.name: {"device": p.bytes.optimizer_device, "host": p.bytes.optimizer_host,
+                                         "moved": p.bytes.moved_per_step, "numel": p.group.numel}
+                          for p in plan.placements},
         "peak_buffer": optimizer.host_params.peak_buffered_bytes if optimizer.host_params else 0,
         "plan_buffer": plan.prefetch_buffer_bytes,
         "after_save": after_save, "after_reload": after_reload, "after_load": after_load,
@@ -126,7 +149,7 @@ def run_delink(case, rank, world_size):
     """The lead's in-process transition: plan + optimizer for the pseudo model, destroy, delink, plan again."""
     _, stage, pseudo_levels, real_levels = case.split(":")
     stage = int(stage)
-    engine, optimizer, pseudo_plan = granular(stage, "fp32", pseudo_levels, 1, rank, world_size)
+    engine, optimizer, pseudo_plan = granular(stage, "fp32", letter_levels(pseudo_levels, 4), 1, world_size)
     train(engine, rank, 0, 2)
     model = engine.module
     with torch.no_grad():
@@ -136,8 +159,7 @@ def run_delink(case, rank, world_size):
         optimizer.host_params.remove()
     delink_layers(model, "layers")
     config = ds_config(stage, "fp32")
-    config["granular_offload"] = {"levels": {("other" if i == len(real_levels) - 1 else str(i)): LETTERS[c]
-                                             for i, c in enumerate(real_levels)}}
+    config["granular_offload"] = {"levels": letter_levels(real_levels, 1)}
     optimizer, patched, plan = build_offload_optimizer(model, config, "layers", world_size)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
     real_losses = train(engine, rank, 2, 2)

@@ -1,15 +1,16 @@
-"""build_offload_optimizer on real and pseudo (shared-parameter) models, without an engine."""
+"""build_offload_optimizer on real, pseudo (shared-parameter) and DeepSpeed MoE models, without an engine."""
 import copy
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import TinyLM  # noqa: E402
+from tiny_model import TinyLM, batch  # noqa: E402
 
 from ds_pseudo_real.config import ConfigError
-from ds_pseudo_real.offload import build_offload_optimizer, describe_offload_plan
+from ds_pseudo_real.offload import PlanError, build_offload_optimizer, describe_offload_plan
 from ds_pseudo_real.sharing import apply_sharing, parameter_count
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
@@ -29,7 +30,7 @@ def test_real_model_groups_config_and_plan():
     assert config == CONFIG  # the caller's dict is not touched
     assert "optimizer" not in patched and patched["zero_allow_untested_optimizer"] is True
     assert patched["zero_force_ds_cpu_optimizer"] is False
-    assert [(g["name"], g["level"], sum(p.numel() for p in g["params"])) for g in optimizer.param_groups] == \
+    assert [(g["placement"], g["level"], sum(p.numel() for p in g["params"])) for g in optimizer.param_groups] == \
         [("layer0", "host_optimizer", LAYER)] + [(f"layer{i}", "device", LAYER) for i in (1, 2, 3)] + \
         [("other", "device", OTHER)]
     assert optimizer.adamw_mode is False and optimizer.defaults["lr"] == 0.001
@@ -64,3 +65,56 @@ def test_budget_that_nothing_fits_says_how_much_is_missing():
     config = {**CONFIG, "granular_offload": {"device_memory": 1000, "max_level": "host_optimizer"}}
     with pytest.raises(ValueError, match=r"bytes\) missing"):
         build_offload_optimizer(TinyLM(), config, "layers", 1)
+
+
+MOE_CONFIG = {**CONFIG, "zero_optimization": {"stage": 0},
+              "granular_offload": {"levels": {"1": "host_optimizer", "2.experts": "host_optimizer"}}}
+EXPERTS = 16768  # TinyLM(ep_size=1): 4 experts of 4192 per layer; the dense rest of a layer is 192
+
+
+def test_moe_experts_are_deepspeed_moe_groups_of_their_own():
+    optimizer, _, plan = build_offload_optimizer(TinyLM(ep_size=1), MOE_CONFIG, "layers", 1)
+    groups = [(g["placement"], g["level"], g.get("moe", False), g.get("name"), sum(p.numel() for p in g["params"]))
+              for g in optimizer.param_groups]
+    assert groups == [(f"layer{i}", "host_optimizer" if i == 1 else "device", False, None, 192) for i in range(4)] + \
+        [(f"layer{i}.experts", "host_optimizer" if i == 2 else "device", True, "ep_size_1", EXPERTS)
+         for i in range(4)] + [("other", "device", False, None, OTHER)]
+    assert all(p.allreduce is False for g in optimizer.param_groups if g.get("moe") for p in g["params"])
+    assert plan.optimizer_host_bytes == 16 * (192 + EXPERTS)
+    assert "layer0.experts..layer1.experts (2)  device" in describe_offload_plan(plan)
+
+
+def test_expert_level_errors_name_the_group_and_what_is_accepted():
+    bad_key = {**MOE_CONFIG, "granular_offload": {"levels": {"4.experts": "host_optimizer"}}}
+    with pytest.raises(ConfigError) as info:
+        build_offload_optimizer(TinyLM(ep_size=1), bad_key, "layers", 1)
+    assert "granular_offload.levels: got keys ['4.experts'] not in the model; accepted: ['0', '1', '2', '3', " \
+           "'0.experts', '1.experts', '2.experts', '3.experts', 'other']" in str(info.value)
+    with pytest.raises(ConfigError, match=r"got keys \['0.experts'\] not in the model; accepted: \['0', '1', '2', "
+                                          r"'3', 'other'\]"):
+        build_offload_optimizer(TinyLM(), {**CONFIG, "granular_offload": {"levels": {"0.experts": "device"}}},
+                                "layers", 1)
+    fetched = {**MOE_CONFIG, "granular_offload": {"levels": {"1.experts": "host_params"}}}
+    with pytest.raises(PlanError) as info:
+        build_offload_optimizer(TinyLM(ep_size=1), fetched, "layers", 1)
+    assert "granular_offload.levels.layer1.experts: 'host_params' is for a layer's dense parameters only" in \
+        str(info.value) and "accepted for 'layer1.experts': 'device', 'host_optimizer'" in str(info.value)
+
+
+def test_checkpoint_with_the_plan_name_under_name_still_loads():
+    """Optimizer states saved before expert groups existed hold the plan's group name under "name": loading them
+    keeps the current groups' keys, so an expert group's "name" stays DeepSpeed's expert group."""
+    model = TinyLM(ep_size=1)
+    optimizer, _, _ = build_offload_optimizer(model, MOE_CONFIG, "layers", 1)
+    model(*batch(0, 0)).backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    for group in saved["param_groups"]:
+        group["name"] = group.pop("placement")
+        group.pop("moe", None)
+    fresh, _, _ = build_offload_optimizer(model, MOE_CONFIG, "layers", 1)
+    fresh.load_state_dict(saved)
+    keys = [(g["placement"], g.get("name"), g.get("moe")) for g in fresh.param_groups]
+    assert keys == [(g["placement"], g.get("name"), g.get("moe")) for g in optimizer.param_groups]
+    assert keys[4] == ("layer0.experts", "ep_size_1", True) and keys[0] == ("layer0", None, None)
+    assert all(torch.equal(fresh.state[p]["exp_avg"], optimizer.state[p]["exp_avg"]) for p in model.parameters())

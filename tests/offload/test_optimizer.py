@@ -1,5 +1,6 @@
-"""GranularOffloadOptimizer under DeepSpeed ZeRO 0/1/2 on 1 and 2 gloo ranks: the same losses as training without
-offload with the same Adam kernel, the bytes held and moved equal to the plan's, and exact checkpoint resumes."""
+"""GranularOffloadOptimizer under DeepSpeed ZeRO 0/1/2 on 1 and 2 gloo ranks, dense and with DeepSpeed MoE experts
+placed per layer: the same losses as training without offload with the same Adam kernel, the bytes held and moved
+equal to the plan's (in total and per group), and exact checkpoint resumes."""
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from conftest import REPO, free_port, run_two_ranks
 
 SCRIPT = Path(__file__).with_name("run_training.py")
 LEVELS = {"d": "device", "o": "host_optimizer", "p": "host_params"}
+EXPERTS = 4 * (32 * 64 + 64 + 64 * 32 + 32)  # expert parameters per MoE layer of TinyLM(ep_size=...): 16768
 
 
 def results(stdout):
@@ -28,16 +30,28 @@ def run_one_rank(*cases, tmp_path):
     return results(proc.stdout)
 
 
-def check(result):
-    stage, dtype, letters, *groups = result["case"].split(":")
+def expected_levels(case):
+    if case.startswith("moe:"):
+        _, _, _, letters, experts = case.split(":")
+        names = [f"layer{i}" for i in range(len(letters) - 1)] + [f"layer{i}.experts" for i in range(len(experts))]
+        return {**{n: LEVELS[c] for n, c in zip(names, letters[:-1] + experts)}, "other": LEVELS[letters[-1]]}
+    stage, dtype, letters, *groups = case.split(":")
     size = 4 // int(groups[0]) if groups else 1
     names = [f"layer{i * size}" for i in range(len(letters) - 1)] + ["other"]
-    assert result["levels"] == {n: LEVELS[c] for n, c in zip(names, letters)}
+    return {n: LEVELS[c] for n, c in zip(names, letters)}
+
+
+def check(result):
+    assert result["levels"] == expected_levels(result["case"])
     assert result["losses"][0] != result["losses"][-1]  # it trained
     assert result["losses"] == result["ref_losses"], "offloaded losses differ from no offload"
     assert result["params_equal"], "offloaded weights differ from no offload"
     assert result["held"] == {"device": result["plan"]["device"], "host": result["plan"]["host"]}
     assert result["moved"] == result["plan"]["moved"]
+    for name, plan in result["plan_by_group"].items():
+        assert result["held_by_group"][name] == {"device": plan["device"], "host": plan["host"]}, name
+        if result["levels"][name] != "host_params":  # a host_params group's fetches are the store's, not counted here
+            assert result["moved_by_group"].get(name, 0) == plan["moved"], name
     assert result["peak_buffer"] == result["plan_buffer"]
     assert result["after_reload"] == result["after_save"], "resume in the same engine left the trajectory"
     assert result["after_load"] == result["after_save"], "resume in a fresh engine left the trajectory"
@@ -49,13 +63,15 @@ ONE_RANK = ["0:fp32:dodoo", "1:fp32:dodoo", "2:fp32:oddod", "0:bf16:dodoo", "1:b
 
 
 DELINK = ["delink:0:pd:dpopd", "delink:2:od:doodd"]
+# MoE model (4 experts in 2 prototypes per layer, ep_size 1): dense letters per layer + other, then experts per layer
+MOE_ONE_RANK = ["moe:0:1:ddddd:oddo", "moe:1:1:dodod:dooo", "moe:2:1:ddddo:odod"]
 
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     """Every 1-rank case in one process (DeepSpeed's import and first initialize dominate a small case)."""
-    out = run_one_rank(*ONE_RANK, *DELINK, tmp_path=tmp_path_factory.mktemp("checkpoints"))
-    assert [r["case"] for r in out] == ONE_RANK + DELINK
+    out = run_one_rank(*ONE_RANK, *DELINK, *MOE_ONE_RANK, tmp_path=tmp_path_factory.mktemp("checkpoints"))
+    assert [r["case"] for r in out] == ONE_RANK + DELINK + MOE_ONE_RANK
     return {r["case"]: r for r in out}
 
 
@@ -75,7 +91,8 @@ def test_one_rank_exact_accounted_and_resumable(one_rank):
     assert pseudo["peak_buffer"] == 2 * 4 * 8416
 
 
-TWO_RANKS = ["0:fp32:dpopd", "1:fp32:oddod", "2:fp32:dodoo", "2:bf16:oddod", "1:fp32:od:1"]
+TWO_RANKS = ["0:fp32:dpopd", "1:fp32:oddod", "2:fp32:dodoo", "2:bf16:oddod", "1:fp32:od:1",
+             "moe:1:2:ddddo:dood", "moe:2:2:dodod:oddo"]
 
 
 def test_two_ranks_exact_accounted_and_resumable(tmp_path):
@@ -87,6 +104,34 @@ def test_two_ranks_exact_accounted_and_resumable(tmp_path):
     # ZeRO 2 over 2 ranks: each rank steps half of every group (8416 / 2 = 4208, 4160 / 2 = 2080)
     zero2 = next(r for r in out if r["case"] == "2:fp32:dodoo")
     assert zero2["plan"] == {"device": 2 * 8 * 4208, "host": 16 * (2 * 4208 + 2080), "moved": 8 * (2 * 4208 + 2080)}
+    # ep_size 2: each rank holds 2 of the 4 experts (8384 params) and, its expert-data-parallel group being that
+    # rank alone, steps all of them; the dense part of a layer (192) is still split over both ranks
+    for result in (r for r in out if r["case"].startswith("moe:")):
+        check_experts(result, EXPERTS // 2)
+        assert result["plan_by_group"]["layer0"] == {"device": 8 * 96, "host": 0, "moved": 0, "numel": 192}
+
+
+def check_experts(result, numel):
+    """Each layer's expert group (``numel`` params on this rank, not partitioned further) holds and moves what its
+    level says: host master + grad buffer + moments 16 B per param, gradient out and master back 8 B per step at
+    host_optimizer; moments 8 B per param on the device and nothing moved at device."""
+    for i, letter in enumerate(result["case"].split(":")[-1]):
+        name = f"layer{i}.experts"
+        assert result["plan_by_group"][name]["numel"] == numel
+        if letter == "o":
+            assert result["held_by_group"][name] == {"device": 0, "host": 16 * numel}
+            assert result["moved_by_group"][name] == 8 * numel
+        else:
+            assert result["held_by_group"][name] == {"device": 8 * numel, "host": 0}
+            assert name not in result["moved_by_group"]
+
+
+def test_moe_experts_placed_per_layer(one_rank):
+    """ZeRO 0/1/2, one rank, ep_size 1: expert groups at host_optimizer next to others on the device give the
+    all-device losses and weights bit for bit (``check``), and hold and move what the plan predicts."""
+    for case in MOE_ONE_RANK:
+        check(one_rank[case])
+        check_experts(one_rank[case], EXPERTS)
 
 
 def test_replan_at_the_delink(one_rank):

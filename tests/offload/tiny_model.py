@@ -1,6 +1,9 @@
-"""A small layer-stack language model for the offload tests (layers at ``model.layers``)."""
+"""Small layer-stack language models for the offload tests (layers at ``model.layers``): dense, and with an M6
+expert-prototyping MoE (deepspeed.moe) in every layer."""
 import torch
 from torch import nn
+
+from ds_pseudo_real.moe.deepspeed_layer import ExpertPrototypingMoE
 
 
 class Block(nn.Module):
@@ -14,19 +17,41 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
+class MoEBlock(nn.Module):
+    """4 experts in 2 prototypes over ``ep_size`` ranks; returns the output and the balance loss."""
+
+    def __init__(self, d, ep_size):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        expert = nn.Sequential(nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d))
+        self.moe = ExpertPrototypingMoE(d, expert, num_experts=4, num_prototypes=2, ep_size=ep_size,
+                                        capacity_factor=2.0)
+        for p in self.moe.deepspeed_moe.experts.parameters():
+            nn.init.normal_(p, std=0.1)  # DeepSpeed deep-copies one expert: give each its own weights
+
+    def forward(self, x):
+        out, l_aux, _ = self.moe(self.norm(x))
+        return x + out, l_aux
+
+
 class TinyLM(nn.Module):
-    def __init__(self, d=32, num_layers=4, vocab=64):
+    def __init__(self, d=32, num_layers=4, vocab=64, ep_size=None):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList([Block(d) for _ in range(num_layers)])
+        block = Block if ep_size is None else (lambda d: MoEBlock(d, ep_size))
+        self.layers = nn.ModuleList([block(d) for _ in range(num_layers)])
         self.head = nn.Linear(d, vocab)
 
     def forward(self, x, y):
         h = self.embed(x)
+        balance = 0.0
         for layer in self.layers:
             h = layer(h)
+            if isinstance(h, tuple):
+                h, l_aux = h
+                balance = balance + l_aux
         logits = self.head(h)
-        return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1)) + 0.01 * balance
 
 
 def batch(step, rank, size=4, length=8, vocab=64):
