@@ -4,11 +4,13 @@ Owns: the extra flags, and the patches that apply them to an unmodified Megatron
 ``megatron.training.pretrain`` is wrapped: the flags are chained onto the script's ``extra_args_provider`` (so
 ``--help`` lists them and argparse checks them), and its ``model_provider`` is wrapped to build the shared
 block while in the pseudo stage and to use expert-prototyping routers. ``megatron.training.training.train_step``
-is wrapped to delink at iteration N, in process. Written against Megatron-LM's public training interface:
+is wrapped to delink at iteration N, in process. A relaunched run (``--load``) builds the model its checkpoint
+holds: ``pseudo_stage_at_start`` reads Megatron's tracker file to decide. Written against Megatron-LM's public training interface:
 ``pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, ...,
 extra_args_provider=None, ...)``, ``setup_model_and_optimizer(model_provider, model_type)``, ``get_args()``,
 ``train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, ...)`` called
-by ``train()`` with the same model list and optimizer object every iteration, and ``args.curr_iteration``.
+by ``train()`` with the same model list and optimizer object every iteration, ``args.curr_iteration``, and the
+checkpoint layout ``<load>/latest_checkpointed_iteration.txt`` (an iteration or ``release``) with ``--ckpt-step``.
 """
 from __future__ import annotations
 
@@ -17,12 +19,14 @@ import inspect
 import os
 import runpy
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 
 from ds_pseudo_real.config import OptimizerStatePolicy
 
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
 USAGE = "usage: python -m megatron_patches.run SCRIPT [SCRIPT FLAGS ...] [PSEUDO-TO-REAL / M6 FLAGS ...]"
 
 
@@ -64,6 +68,42 @@ def check_arguments(args) -> None:
         _require(args.moe_router_load_balancing_type == "none",
                  f"--moe-router-load-balancing-type must be none with --m6-expert-prototypes "
                  f"(got {args.moe_router_load_balancing_type}); --moe-aux-loss-coeff weighs the per-prototype loss")
+
+
+def checkpoint_to_load(load: Optional[str], ckpt_step: Optional[int] = None) -> Union[int, str, None]:
+    """The iteration of the checkpoint Megatron-LM will load for ``--load``: ``--ckpt-step`` when given, else what
+    ``<load>/latest_checkpointed_iteration.txt`` holds (an iteration, or ``"release"``); None when none will load."""
+    if load is None:
+        return None
+    if ckpt_step:  # Megatron tests it the same way: 0 means "not given"
+        return ckpt_step
+    tracker = os.path.join(load, TRACKER_FILE)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as handle:
+        text = handle.read().strip()
+    if text == RELEASE:
+        return RELEASE
+    _require(text.isdigit(), f"--load {load}: {TRACKER_FILE} holds {text!r}; expected an iteration or {RELEASE!r}")
+    return int(text)
+
+
+def pseudo_stage_at_start(switch_iter: Optional[int], checkpoint: Union[int, str, None]) -> bool:
+    """Whether the run builds the pseudo (shared) model, given the checkpoint it resumes from (``checkpoint_to_load``).
+
+    A checkpoint saved at iteration k holds the model after k steps, saved before train_step k runs; the delink
+    happens at the start of train_step N, so checkpoints up to and including N hold the pseudo model (resumed, it
+    delinks at N) and later ones the real model (resumed, no sharing at all).
+    """
+    if switch_iter is None:
+        return False
+    if checkpoint is None:
+        return True
+    _require(checkpoint != RELEASE,
+             f"--pseudo-to-real-switch-iter {switch_iter} with a {RELEASE!r} checkpoint in --load: it names no "
+             f"iteration, so whether it holds the pseudo or the real model is unknown; pass --ckpt-step, or drop "
+             f"the flag to train the real model")
+    return checkpoint <= switch_iter
 
 
 def _require(condition: bool, message: str) -> None:
@@ -124,7 +164,8 @@ class PseudoToRealRun:
         run_args = self.get_args()
         if self.pseudo_stage is None:
             check_arguments(run_args)
-            self.pseudo_stage = run_args.pseudo_to_real_switch_iter is not None
+            checkpoint = checkpoint_to_load(run_args.load, getattr(run_args, "ckpt_step", None))
+            self.pseudo_stage = pseudo_stage_at_start(run_args.pseudo_to_real_switch_iter, checkpoint)
         context = shared_parameter_decoder(run_args.pseudo_to_real_groups) if self.pseudo_stage else contextlib.nullcontext()
         with context:
             model = self.user_model_provider(*args, **kwargs)
@@ -137,8 +178,9 @@ class PseudoToRealRun:
             run_args = self.get_args()
             if self.pseudo_stage and run_args.curr_iteration >= run_args.pseudo_to_real_switch_iter:
                 _require(run_args.curr_iteration == run_args.pseudo_to_real_switch_iter,
-                         f"resumed at iteration {run_args.curr_iteration}, past --pseudo-to-real-switch-iter "
-                         f"{run_args.pseudo_to_real_switch_iter}: the checkpoint is a real model, drop the flag")
+                         f"the pseudo model reached iteration {run_args.curr_iteration}, past "
+                         f"--pseudo-to-real-switch-iter {run_args.pseudo_to_real_switch_iter}: the loaded "
+                         f"checkpoint's iteration disagrees with --load's {TRACKER_FILE} or --ckpt-step")
                 self.delink(model, optimizer, config)
             return original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                             *rest, **kw)

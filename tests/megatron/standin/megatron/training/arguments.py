@@ -22,7 +22,13 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
     g.add_argument("--weight-decay", type=float, default=0.01, help="Weight decay coefficient.")
     g.add_argument("--clip-grad", type=float, default=1.0, help="Gradient clipping based on global L2 norm.")
     g.add_argument("--seed", type=int, default=1234, help="Random seed.")
+    g.add_argument("--bf16", action="store_true", help="Run model in bfloat16 mode.")
+    g = parser.add_argument_group(title="checkpointing")
+    g.add_argument("--save", type=str, default=None, help="Output directory to save checkpoints to.")
+    g.add_argument("--save-interval", type=int, default=None, help="Number of iterations between checkpoint saves.")
     g.add_argument("--load", type=str, default=None, help="Directory containing a model checkpoint.")
+    g.add_argument("--ckpt-step", type=int, default=None, help="Checkpoint step to load model from.")
+    g = parser.add_argument_group(title="logging")
     g.add_argument("--log-json", type=str, default=None, help="Stand-in only: write per-iteration figures here.")
     g = parser.add_argument_group(title="distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Degree of tensor model parallelism.")
@@ -60,7 +66,8 @@ def core_transformer_config_from_args(args):
     kwargs = dict(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                   num_attention_heads=args.num_attention_heads, tensor_model_parallel_size=args.tensor_model_parallel_size,
                   expert_model_parallel_size=args.expert_model_parallel_size, use_cpu_initialization=True,
-                  params_dtype=torch.float32, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+                  params_dtype=torch.bfloat16 if args.bf16 else torch.float32, bf16=args.bf16,
+                  gradient_accumulation_fusion=False, bias_activation_fusion=False,
                   masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
                   attention_dropout=0.0, hidden_dropout=0.0)
     if args.num_experts:

@@ -1,23 +1,39 @@
 """STAND-IN (tests only): pretrain / setup_model_and_optimizer / train / train_step with Megatron-LM's
 signatures and call structure (train() calls the module-level train_step with the same model list and optimizer
-object every iteration and sets args.curr_iteration first), on real megatron.core components."""
+object every iteration and sets args.curr_iteration first; setup_model_and_optimizer builds the model, then loads
+--load; train() saves every --save-interval iterations; --bf16 wraps the model in Float16Module and
+takes Megatron's bf16 optimizer), on real megatron.core components."""
 import json
 
 import torch
 import torch.distributed as dist
 
 from .arguments import parse_args
+from .checkpointing import load_checkpoint, save_checkpoint
 from .global_vars import get_args, set_args
 
 
 class _ConstantLR:
-    """Stand-in for OptimizerParamScheduler: holds the optimizer like the real one does."""
+    """Stand-in for OptimizerParamScheduler: holds the optimizer and counts samples like the real one does."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
+        self.num_steps = 0
 
     def step(self, increment):
-        pass
+        self.num_steps += increment
+
+    def state_dict(self):
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state_dict):
+        self.num_steps = state_dict["num_steps"]
+
+
+def _num_microbatches(args):
+    from megatron.core import parallel_state
+
+    return args.global_batch_size // (args.micro_batch_size * parallel_state.get_data_parallel_world_size())
 
 
 def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
@@ -33,6 +49,8 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     model_parallel_cuda_manual_seed(args.seed)
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
     train_data_iterator = iter(train_valid_test_dataset_provider([args.train_iters * args.global_batch_size, 0, 0])[0])
+    for _ in range(args.iteration * _num_microbatches(args)):  # Megatron's sampler starts past the consumed samples
+        next(train_data_iterator)
     from megatron.core.utils import get_model_config
 
     train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, None, None,
@@ -46,6 +64,10 @@ def get_model(model_provider_func, model_type, wrap_with_ddp=True):
     args = get_args()
     torch.manual_seed(args.seed)
     model = [model_provider_func(pre_process=True, post_process=True)]
+    if args.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = [Float16Module(m.config, m) for m in model]
     if not wrap_with_ddp:
         return model
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
@@ -57,12 +79,16 @@ def setup_model_and_optimizer(model_provider_func, model_type, checkpointing_con
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     args = get_args()
-    assert args.load is None, "the stand-in does not load checkpoints"
     model = get_model(model_provider_func, model_type)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
-                                                       clip_grad=args.clip_grad,
+                                                       clip_grad=args.clip_grad, bf16=args.bf16,
+                                                       params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
                                                        use_distributed_optimizer=args.use_distributed_optimizer), model)
-    return model, optimizer, _ConstantLR(optimizer)
+    opt_param_scheduler = _ConstantLR(optimizer)
+    if args.load is not None:
+        args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(model, optimizer,
+                                                                                    opt_param_scheduler)
+    return model, optimizer, opt_param_scheduler
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, forward_backward_func):
@@ -72,9 +98,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    dp = parallel_state.get_data_parallel_world_size()
     losses = forward_backward_func(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                                   num_microbatches=args.global_batch_size // (args.micro_batch_size * dp),
+                                   num_microbatches=_num_microbatches(args),
                                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                                    forward_only=False)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -107,8 +132,13 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         module = model[0].module
         unique = {id(p): p.numel() for p in module.parameters()}
         log.append({"iteration": iteration, "loss": loss_dict["lm loss"], "params": sum(unique.values()),
-                    "routers": sorted({type(m).__name__ for m in module.modules() if hasattr(m, "routing")})})
+                    "routers": sorted({type(m).__name__ for m in module.modules() if hasattr(m, "routing")}),
+                    "dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+                    "optimizers": sorted({type(o).__name__ for o in getattr(optimizer, "chained_optimizers",
+                                                                              [optimizer])})})
         iteration += 1
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
     if args.log_json and dist.get_rank() == 0:
         with open(args.log_json, "w") as handle:
             json.dump(log, handle)
