@@ -2,7 +2,8 @@
 
 Owns: ``ExpertPrototypingRouter`` (routing math from ``ds_pseudo_real.moe.routing``; the token dispatcher, the
 experts and expert parallelism stay Megatron's), the layer spec that uses it, and the TransformerConfig fields it
-needs. Written against megatron-core 0.16.1 (TopKRouter.routing(logits, padding_mask) -> (probs, routing_map)).
+needs. Written against megatron-core 0.16.1 (TopKRouter.routing(logits, padding_mask) -> (probs, routing_map);
+the router's input is the sequence-parallel slice of the tokens when sequence parallelism is on).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, Dict, Optional
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -38,6 +40,9 @@ class ExpertPrototypingRouter(TopKRouter):
 
     Uses ``config.moe_expert_capacity_factor`` / ``moe_token_drop_policy`` for token dropping and
     ``config.moe_aux_loss_coeff`` for the per-prototype balance loss; Megatron's own balancing must be "none".
+    With sequence parallelism (required for MoE with TP>1) each tensor-parallel rank holds a slice of the sequence;
+    the router gathers the slices' logits and routes the whole sequence, so capacity, dropping and the balance
+    loss are those of TP=1, then keeps its own slice.
     """
 
     def __init__(self, config, pg_collection=None, num_prototypes: int = 1):
@@ -47,16 +52,25 @@ class ExpertPrototypingRouter(TopKRouter):
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         logits = logits.view(-1, self.config.num_moe_experts)
+        local_tokens = logits.shape[0]
+        slices = self.tp_group.size() if self.config.sequence_parallel else 1
+        if slices > 1:
+            # All-gather forward, reduce-scatter backward: each slice's logits get every rank's gradient for them.
+            logits = gather_from_sequence_parallel_region(logits, group=self.tp_group)
         probs, routing_map = routing.expert_prototype_routing(logits, self.num_prototypes)
         coeff = self.config.moe_aux_loss_coeff
         if self.training and torch.is_grad_enabled() and coeff:
             balance = routing.load_balancing_loss(logits, routing_map, self.num_prototypes)
-            probs = MoEAuxLossAutoScaler.apply(probs, coeff * balance)
+            # Every slice holder adds the whole sequence's loss; the reduce-scatter sums their gradients.
+            probs = MoEAuxLossAutoScaler.apply(probs, coeff * balance / slices)
         if self.config.moe_expert_capacity_factor is not None:
             capacity = routing.expert_capacity(logits.shape[0], logits.shape[1], self.num_prototypes,
                                                self.config.moe_expert_capacity_factor)
             probs, routing_map = routing.drop_over_capacity(probs, routing_map, capacity,
                                                             self.config.moe_token_drop_policy)
+        if slices > 1:
+            start = self.tp_group.rank() * local_tokens
+            probs, routing_map = probs[start:start + local_tokens], routing_map[start:start + local_tokens]
         return probs, routing_map
 
 

@@ -5,7 +5,7 @@ dense / 3e-3 MoE, clip 1.0) through get_forward_backward_func; at the switch the
 the optimizer are rebuilt, and every real parameter's fp32 master, Adam moments and step are checked exactly
 against the shared parameter it came from under the copy / scale / reset policy. Optimizers covered:
 DistributedOptimizer, FP32Optimizer, Float16OptimizerWithFloat16Params (bf16); MoE with EP=2 and with TP=2 +
-sequence parallelism.
+sequence parallelism (experts TP-split, or expert-parallel with token dropping).
 """
 import json
 from pathlib import Path
@@ -21,7 +21,9 @@ SCENARIOS = {"dp2-copy-distopt": "1:copy:1", "dp2-copy-plain": "1:copy:0", "dp2-
              "dp2-copy-bf16": "1:copy:0:bf16", "tp2-scale-bf16": "2:scale:0:bf16",
              "dp2-ep2-moe-copy-distopt": "1:copy:1:moe:ep2", "dp2-ep2-moe-scale-distopt": "1:scale:1:moe:ep2",
              "dp2-ep2-moe-noswitch": "1:copy:1:moe:ep2:noswitch",
-             "tp1-moe-copy-samedata": "1:copy:1:moe:samedata", "tp2-sp-moe-copy-samedata": "2:copy:1:moe:samedata"}
+             "tp1-moe-copy": "1:copy:1:moe:samedata", "tp2-sp-etp2-moe-copy": "2:copy:1:moe:samedata",
+             "tp1-ep2-moe-drop-copy": "1:copy:1:moe:ep2:drop:samedata",
+             "tp2-sp-ep2-moe-drop-copy": "2:copy:1:moe:ep2:drop:samedata"}
 SWITCHED = [name for name in SCENARIOS if not name.endswith("noswitch")]
 
 
@@ -87,10 +89,14 @@ def test_moe_delink_follows_the_pseudo_run(runs):
         assert 0.9 < copy["first_update_norm"][kind] / scale["first_update_norm"][kind] < 1.1, kind
 
 
-def test_moe_tp2_sequence_parallel_matches_tp1(runs):
-    """Same weights and data: TP=2 with sequence parallelism (experts TP-split) trains and delinks as TP=1 does,
-    up to the order of the tensor-parallel reductions (relative 1e-6)."""
-    tp1, tp2 = runs["tp1-moe-copy-samedata"], runs["tp2-sp-moe-copy-samedata"]
-    assert tp2["losses"] == pytest.approx(tp1["losses"], rel=1e-6, abs=0)
-    assert tp2["final_eval"] == pytest.approx(tp1["final_eval"], rel=1e-6, abs=0)
-    assert tp2["losses"][4] < tp2["losses"][3]
+@pytest.mark.parametrize("tp1, tp2", [("tp1-moe-copy", "tp2-sp-etp2-moe-copy"),
+                                      ("tp1-ep2-moe-drop-copy", "tp2-sp-ep2-moe-drop-copy")])
+def test_moe_tp2_sequence_parallel_matches_tp1(runs, tp1, tp2):
+    """Same weights and data (every DP rank gets the same batch): TP=2 with sequence parallelism trains and
+    delinks as TP=1 does, up to the order of the tensor-parallel reductions (relative 1e-6). Experts TP-split
+    (ETP=2), or split over the ranks (EP=2) with capacity 1.0 dropping tokens and a balance loss: the router
+    routes the whole sequence, not each rank's slice."""
+    a, b = runs[tp1], runs[tp2]
+    assert b["losses"] == pytest.approx(a["losses"], rel=1e-6, abs=0)
+    assert b["final_eval"] == pytest.approx(a["final_eval"], rel=1e-6, abs=0)
+    assert b["losses"][4] < b["losses"][3]

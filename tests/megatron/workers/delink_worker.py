@@ -5,7 +5,7 @@ the size of the first update after the switch per kind of parameter.
 Usage: delink_worker.py OUT.json SCENARIO... with SCENARIO = TP:POLICY:DISTOPT[:FLAG...], all run in one process
 (one job start for all of them); OUT.json maps each scenario to its figures. Flags: ``moe`` (M6 MoE layers, 4
 experts in 2 prototypes; at TP=2 with sequence parallelism, experts TP-split), ``ep2`` (MoE experts split over
-the 2 ranks, TP=1), ``bf16`` (Float16Module
+the 2 ranks, not TP-split), ``drop`` (MoE capacity factor 1.0: tokens dropped; balance loss 0.01), ``bf16`` (Float16Module
 + Megatron's bf16 optimizer), ``noswitch`` (the pseudo model trains on: the control run), ``samedata`` (every
 data-parallel rank gets the same batch, so TP=1 x DP=2 and TP=2 x DP=1 train on the same data)."""
 import os
@@ -48,7 +48,8 @@ def run_scenario(tp, policy, distopt, *flags):
     tp, distopt, flags = int(tp), distopt == "1", set(flags)
     moe, bf16 = "moe" in flags, "bf16" in flags
     ep = 2 if "ep2" in flags else 1
-    ms.init(tp=tp, ep=ep)
+    etp = 1 if ep > 1 else tp
+    ms.init(tp=tp, ep=ep, etp=etp)
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -58,8 +59,9 @@ def run_scenario(tp, policy, distopt, *flags):
     from megatron_patches.moe import m6_layer_spec, m6_moe_config
 
     spec = m6_layer_spec(4, 2) if moe else None
-    extra = m6_moe_config(4, 2, capacity_factor=2.0) if moe else {}  # capacity = all tokens: none dropped
-    cfg = ms.config(num_layers=L, tp=tp, ep=ep, sequence_parallel=moe and tp > 1, bf16=bf16, **extra)
+    routing = dict(capacity_factor=1.0, balance_loss_coeff=0.01) if "drop" in flags else dict(capacity_factor=2.0)
+    extra = m6_moe_config(4, 2, **routing) if moe else {}  # capacity factor 2.0 (top-1 of 2 experts): none dropped
+    cfg = ms.config(num_layers=L, tp=tp, ep=ep, expert_tensor_parallel_size=etp, sequence_parallel=moe and tp > 1, bf16=bf16, **extra)
     lr = LR["moe" if moe else "dense"]
 
     def wrap(model):
@@ -158,10 +160,13 @@ def check_carried_state(real, optimizer, shared, pseudo_named, policy):
         if not ok_moments or any(not torch.equal(got[k].float(), v.float()) for k, v in expected.items()):
             mismatches.append(name)
         checked += 1
-    return {"state_mismatches": mismatches, "states_checked": checked,
-            "members_max": max(uses.values()), "carried_nonzero": policy == "reset" or all(
-                float(carried[id(p)]["exp_avg_sq"].abs().sum()) > 0 for n, p in real.named_parameters()
-                if ".mlp.experts." in n or ".mlp.router." in n)}
+    nonzero = policy == "reset" or all(float(carried[id(p)]["exp_avg_sq"].abs().sum()) > 0
+                                       for n, p in real.named_parameters() if ".mlp.experts." in n or ".mlp.router." in n)
+    per_rank = [None] * dist.get_world_size()  # expert-parallel ranks hold different experts: report them all
+    dist.all_gather_object(per_rank, (mismatches, checked, nonzero))
+    return {"state_mismatches": [f"rank{r}:{name}" for r, (names, _, _) in enumerate(per_rank) for name in names],
+            "states_checked": min(c for _, c, _ in per_rank), "members_max": max(uses.values()),
+            "carried_nonzero": all(ok for _, _, ok in per_rank)}
 
 
 def update_norms(model, before):

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from megatron_patches import cpu_compat
 
 
-def init(tp: int = 1, ep: int = 1, seed: int = 1):
-    """CPU patches, gloo process group, Megatron's parallel state."""
+def init(tp: int = 1, ep: int = 1, seed: int = 1, etp=None):
+    """CPU patches, gloo process group, Megatron's parallel state (``etp``: expert tensor parallelism, default TP)."""
     cpu_compat.install()
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -18,7 +18,8 @@ def init(tp: int = 1, ep: int = 1, seed: int = 1):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
     model_parallel_cuda_manual_seed(seed)
     return dist.get_rank()
 
