@@ -1,6 +1,8 @@
 """``ds-pseudo-real plan``: print the granular offload plan for a DeepSpeed config, without building the model.
 
-Owns: argument parsing and printing. The numbers come from ``planner`` (byte model) and ``config`` (section).
+Owns: argument parsing and printing. The numbers come from ``planner`` (byte model) and ``config`` (section); the
+per-rank parameter counts from the flags, else the config's ``"m6"`` architecture (``ds_pseudo_real.moe.architecture``:
+dense layer, experts over ``m6.expert_parallel`` ranks, embeddings), else ``granular_offload.model``.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import sys
 from typing import List, Optional
 
 from ds_pseudo_real.config import ConfigError, load_ds_config
-from ds_pseudo_real.offload.config import explicit_levels, parse_granular_offload, training_setup
+from ds_pseudo_real.offload.config import ModelSize, explicit_levels, parse_granular_offload, training_setup
 from ds_pseudo_real.offload.planner import (
     PlacementLevel, PlanError, describe_plan, format_bytes, parse_bytes, place, plan_placement, uniform_groups,
 )
@@ -20,6 +22,33 @@ def _byte_arg(text: str) -> int:
         return parse_bytes(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def m6_model_size(raw, given: Optional[ModelSize]) -> ModelSize:
+    """Per-rank parameter counts of the ``"m6"`` section's architecture, experts as groups of their own.
+
+    ``given`` (``granular_offload.model`` beside it) must count the same parameters, experts within
+    ``layer_params`` or apart; its ``shared_groups`` is kept.
+    """
+    from ds_pseudo_real.moe import architecture as m6
+
+    try:
+        arch, expert_parallel = m6.parse_m6_section(raw)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"invalid config:\n  {error}") from None
+    derived = ModelSize(num_layers=arch.num_layers, layer_params=m6.dense_parameters_per_layer(arch),
+                        expert_params=m6.expert_parameters_per_layer(arch, expert_parallel),
+                        expert_parallel=expert_parallel, other_params=m6.embedding_parameters(arch),
+                        shared_groups=given.shared_groups if given else None)
+    if given is not None and (given.num_layers, given.layer_params + given.expert_params, given.other_params) != \
+            (derived.num_layers, derived.layer_params + derived.expert_params, derived.other_params):
+        raise ConfigError(
+            f"invalid config:\n  granular_offload.model: got {given.num_layers} layers of "
+            f"{given.layer_params + given.expert_params} parameters and {given.other_params} others per rank; the m6 "
+            f"section ({arch.name}, expert_parallel {expert_parallel}) has {derived.num_layers} layers of "
+            f"{derived.layer_params + derived.expert_params} and {derived.other_params}; accepted: counts that agree, "
+            f"or no model key")
+    return derived
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,12 +79,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         if section is None:
             raise ConfigError(f"{args.config}: no enabled granular_offload section and no --device-memory given")
         model = section.model
+        if "m6" in ds_config:
+            model = m6_model_size(ds_config["m6"], section.model)
+            print(f"model: the m6 section ({model.num_layers} layers of {model.layer_params:,} dense + "
+                  f"{model.expert_params:,} expert parameters per rank, experts over {model.expert_parallel} ranks)")
         num_layers = args.num_layers or (model.num_layers if model else None)
         layer_params = args.layer_params or (model.layer_params if model else None)
         if num_layers is None or layer_params is None:
             raise ConfigError("invalid config:\n  granular_offload.model: needed to plan without building the model "
-                              "(num_layers, layer_params[, other_params, shared_groups]) or give --num-layers and "
-                              "--layer-params")
+                              "(num_layers, layer_params[, other_params, shared_groups]), an m6 section, or give "
+                              "--num-layers and --layer-params")
         other = args.other_params if args.other_params is not None else (model.other_params if model else 0)
         shared = args.shared_groups or (model.shared_groups if model else None)
         if shared is not None and (shared < 1 or num_layers % shared):
@@ -75,7 +108,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if section.levels is not None:
             plan = place(groups, explicit_levels(section, groups), setup)
         else:
-            plan = plan_placement(groups, setup, section.device_memory, PlacementLevel(section.max_level))
+            try:
+                plan = plan_placement(groups, setup, section.device_memory, PlacementLevel(section.max_level))
+            except PlanError as error:
+                if error.plan is not None:
+                    print(f"furthest placement (does not fit):\n{describe_plan(error.plan)}")
+                raise
         print(describe_plan(plan))
         return 0
     except (ConfigError, PlanError) as error:

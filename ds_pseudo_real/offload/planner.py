@@ -42,7 +42,12 @@ LEVEL_ORDER = [PlacementLevel.DEVICE, PlacementLevel.HOST_OPTIMIZER, PlacementLe
 
 
 class PlanError(ValueError):
-    """No placement fits, or the requested placement is not supported with this setup."""
+    """No placement fits, or the requested placement is not supported with this setup. When nothing fits the
+    budget, ``plan`` is the furthest placement tried (every group at its furthest allowed level)."""
+
+    def __init__(self, message: str, plan: Optional["OffloadPlan"] = None):
+        super().__init__(message)
+        self.plan = plan
 
 
 @dataclass(frozen=True)
@@ -258,7 +263,8 @@ def plan_placement(groups: Sequence[GroupSize], setup: TrainingSetup, budget_byt
                 f"granular_offload: nothing fits the device budget of {format_bytes(budget_bytes)}: with every group "
                 f"at its furthest allowed level ({allowed[-1].value}) the device needs {format_bytes(plan.device_bytes)}, "
                 f"{format_bytes(missing)} ({missing} bytes) missing; raise the budget, the data-parallel size or the "
-                f"ZeRO stage, or lower the activation memory"
+                f"ZeRO stage, or lower the activation memory",
+                plan,
             )
         _, name, nxt, plan = max(candidates, key=lambda c: c[0])
         levels[name] = nxt

@@ -115,3 +115,22 @@ def test_m6_10t_config_on_512_ranks_of_32gb(capsys):
     # per expert group at host_optimizer: bf16 params + grads (2 + 2 B) + fp32 copy (4 B) stay on the device
     assert "the device needs 151.05 GiB" in err and "121.24 GiB (130185038416 bytes) missing" in err
     assert 48 * 8 * experts < 151.05 * 2**30 < 48 * 8 * experts + 2**30 * 6
+
+
+def test_m6_config_plans_its_experts_per_layer(tmp_path, capsys):
+    """configs/m6_10t.json: the m6 section says which parameters are experts (20 of the 10,240 per layer on each
+    of 512 ranks); when nothing fits, the furthest placement is printed with every group's level."""
+    assert cli_main(["plan", "--config", str(REPO / "configs" / "m6_10t.json"), "--world-size", "512"]) == 2
+    captured = capsys.readouterr()
+    assert "model: the m6 section (48 layers of 14,684,160 dense + 408,944,640 expert parameters per rank, " \
+           "experts over 512 ranks)" in captured.out
+    assert "furthest placement (does not fit):" in captured.out
+    assert "layer0.experts..layer47.experts (48)  host_optimizer  408,944,640  3.05 GiB     6.09 GiB" in captured.out
+    assert "119.16 GiB (127948425808 bytes) missing" in captured.err
+    raw = json.loads((REPO / "configs" / "m6_tiny.json").read_text())
+    raw["granular_offload"]["model"]["other_params"] += 1
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(raw))
+    assert cli_main(["plan", "--config", str(path)]) == 2
+    assert "granular_offload.model: got 4 layers of 148224 parameters and 10369 others per rank; the m6 section " \
+           "(m6-tiny, expert_parallel 1) has 4 layers of 148224 and 10368" in capsys.readouterr().err

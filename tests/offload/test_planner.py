@@ -72,6 +72,20 @@ def test_plan_reports_missing_bytes():
         plan_placement(GROUPS, setup, budget_bytes=29000)
 
 
+def test_experts_stop_at_host_optimizer():
+    # 2 layers of 1000 dense + 1000 expert params: the dense layers go to host_params, the experts cannot (fetch
+    # hooks serve a layer's dense parameters); nothing fits below 2 * 4000 + buffer 8000 + 2 * 8000 experts
+    groups = uniform_groups(num_layers=2, layer_params=1000, expert_params=1000)
+    with pytest.raises(PlanError, match=r"\(1 bytes\) missing") as info:
+        plan_placement(groups, FP32_Z0, budget_bytes=31999)
+    assert info.value.plan.levels() == {"layer0": "host_params", "layer1": "host_params",
+                                        "layer0.experts": "host_optimizer", "layer1.experts": "host_optimizer"}
+    with pytest.raises(PlanError, match=r"granular_offload.levels.layer1.experts: 'host_params' is for a layer's "
+                                        r"dense parameters only .* accepted for 'layer1.experts': 'device', "
+                                        r"'host_optimizer'"):
+        place(groups, {"layer1.experts": L.HOST_PARAMS}, FP32_Z0)
+
+
 def test_max_level_and_stage_limit_the_levels():
     with pytest.raises(PlanError, match=r"furthest allowed level \(host_optimizer\)"):
         plan_placement(GROUPS, FP32_Z0, budget_bytes=31000, max_level=L.HOST_OPTIMIZER)
