@@ -5,8 +5,8 @@ Owns: the extra flags, and the patches that apply them to an unmodified Megatron
 ``--help`` lists them and argparse checks them), and its ``model_provider`` is wrapped to build the shared
 block while in the pseudo stage and to use expert-prototyping routers. ``megatron.training.training.train_step``
 is wrapped to delink at iteration N, in process. A relaunched run (``--load``) builds the model its checkpoint
-holds: ``pseudo_stage_at_start`` reads Megatron's tracker file to decide. Written against Megatron-LM's public training interface:
-``pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, ...,
+holds: ``pseudo_stage_at_start`` decides from Megatron's tracker file. Written against Megatron-LM's public
+training interface: ``pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, ...,
 extra_args_provider=None, ...)``, ``setup_model_and_optimizer(model_provider, model_type)``, ``get_args()``,
 ``train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, ...)`` called
 by ``train()`` with the same model list and optimizer object every iteration, ``args.curr_iteration``, and the
@@ -89,7 +89,8 @@ def checkpoint_to_load(load: Optional[str], ckpt_step: Optional[int] = None) -> 
 
 
 def pseudo_stage_at_start(switch_iter: Optional[int], checkpoint: Union[int, str, None]) -> bool:
-    """Whether the run builds the pseudo (shared) model, given the checkpoint it resumes from (``checkpoint_to_load``).
+    """Whether the run builds the pseudo (shared) model, given the checkpoint it resumes from (see
+    ``checkpoint_to_load``).
 
     A checkpoint saved at iteration k holds the model after k steps, saved before train_step k runs; the delink
     happens at the start of train_step N, so checkpoints up to and including N hold the pseudo model (resumed, it
