@@ -1,8 +1,9 @@
 """Train TinyLM under DeepSpeed with and without granular offload and print one JSON line of results per case.
 
 Usage (1 rank with RANK/WORLD_SIZE/... set, or under torchrun): run_training.py CASE [CASE ...]
-CASE = delink:STAGE:PSEUDO_LEVELS:REAL_LEVELS trains the fully shared pseudo model, delinks it in the same
-process and trains the real model, each with its own plan. CASE = moe:STAGE:EP_SIZE:LEVELS:EXPERT_LEVELS trains
+CASE = delink:STAGE:PSEUDO_LEVELS:REAL_LEVELS[:PSEUDO_EXPERTS:REAL_EXPERTS] trains the fully shared pseudo model,
+delinks it in the same process and trains the real model, each with its own plan (with expert letters: the MoE
+model, ep_size 1). CASE = moe:STAGE:EP_SIZE:LEVELS:EXPERT_LEVELS trains
 the MoE model (fp32, experts over EP_SIZE ranks) with EXPERT_LEVELS one letter per layer's experts. Otherwise
 CASE = STAGE:DTYPE:LEVELS[:GROUPS], LEVELS one letter per parameter-owning layer then one for the rest: d device,
 o host_optimizer, p host_params; e.g. 2:fp32:dodoo. GROUPS: train the pseudo model whose 4 layers share GROUPS sets.
@@ -60,7 +61,7 @@ def parse(case):
     """``(stage, dtype, levels section, GROUPS or None, EP_SIZE or None)`` of a CASE."""
     if case.startswith("moe:"):
         _, stage, ep_size, letters, experts = case.split(":")
-        levels = {**letter_levels(letters, 1), **{f"{i}.experts": LETTERS[c] for i, c in enumerate(experts)}}
+        levels = {**letter_levels(letters, 1), **expert_levels(experts, 1)}
         return int(stage), "fp32", levels, None, int(ep_size)
     stage, dtype, letters, *groups = case.split(":")
     groups = int(groups[0]) if groups else None
@@ -70,6 +71,11 @@ def parse(case):
 def letter_levels(letters, size):
     """One letter per group leader (every ``size``-th layer), then one for ``other``."""
     return {("other" if i == len(letters) - 1 else str(i * size)): LETTERS[c] for i, c in enumerate(letters)}
+
+
+def expert_levels(letters, size):
+    """One letter per group leader's experts."""
+    return {f"{i * size}.experts": LETTERS[c] for i, c in enumerate(letters)}
 
 
 def make_model(groups, ep_size=None):
@@ -147,9 +153,13 @@ def run_case(case, rank, world_size, checkpoint_dir):
 
 def run_delink(case, rank, world_size):
     """The lead's in-process transition: plan + optimizer for the pseudo model, destroy, delink, plan again."""
-    _, stage, pseudo_levels, real_levels = case.split(":")
-    stage = int(stage)
-    engine, optimizer, pseudo_plan = granular(stage, "fp32", letter_levels(pseudo_levels, 4), 1, world_size)
+    _, stage, pseudo_letters, real_letters, *experts = case.split(":")
+    stage, ep_size = int(stage), (1 if experts else None)
+    pseudo_levels, real_levels = letter_levels(pseudo_letters, 4), letter_levels(real_letters, 1)
+    if experts:
+        pseudo_levels.update(expert_levels(experts[0], 4))
+        real_levels.update(expert_levels(experts[1], 1))
+    engine, optimizer, pseudo_plan = granular(stage, "fp32", pseudo_levels, 1, world_size, ep_size)
     train(engine, rank, 0, 2)
     model = engine.module
     with torch.no_grad():
@@ -159,7 +169,7 @@ def run_delink(case, rank, world_size):
         optimizer.host_params.remove()
     delink_layers(model, "layers")
     config = ds_config(stage, "fp32")
-    config["granular_offload"] = {"levels": letter_levels(real_levels, 1)}
+    config["granular_offload"] = {"levels": real_levels}
     optimizer, patched, plan = build_offload_optimizer(model, config, "layers", world_size)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
     real_losses = train(engine, rank, 2, 2)

@@ -65,13 +65,15 @@ ONE_RANK = ["0:fp32:dodoo", "1:fp32:dodoo", "2:fp32:oddod", "0:bf16:dodoo", "1:b
 DELINK = ["delink:0:pd:dpopd", "delink:2:od:doodd"]
 # MoE model (4 experts in 2 prototypes per layer, ep_size 1): dense letters per layer + other, then experts per layer
 MOE_ONE_RANK = ["moe:0:1:ddddd:oddo", "moe:1:1:dodod:dooo", "moe:2:1:ddddo:odod"]
+# the MoE model's shared set with its experts on the host, delinked into a plan with layers 0 and 3's experts there
+MOE_DELINK = ["delink:1:dd:ddddd:o:oddo"]
 
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     """Every 1-rank case in one process (DeepSpeed's import and first initialize dominate a small case)."""
-    out = run_one_rank(*ONE_RANK, *DELINK, *MOE_ONE_RANK, tmp_path=tmp_path_factory.mktemp("checkpoints"))
-    assert [r["case"] for r in out] == ONE_RANK + DELINK + MOE_ONE_RANK
+    out = run_one_rank(*ONE_RANK, *DELINK, *MOE_ONE_RANK, *MOE_DELINK, tmp_path=tmp_path_factory.mktemp("checkpoints"))
+    assert [r["case"] for r in out] == ONE_RANK + DELINK + MOE_ONE_RANK + MOE_DELINK
     return {r["case"]: r for r in out}
 
 
@@ -149,3 +151,15 @@ def test_replan_at_the_delink(one_rank):
     # the pseudo model's one shared set on the host (params + grad buffer + moments, 16 B per param) vs the
     # real model's layers 1..3 on the host
     assert zero0["pseudo_plan_host"] == 16 * 8416 and zero0["plan"]["host"] == 3 * 16 * 8416
+
+
+def test_moe_replan_at_the_delink(one_rank):
+    """The MoE model: the pseudo plan's shared experts at host_optimizer, delinked and re-planned with two layers'
+    experts there; the loss is continuous and the new optimizer holds and moves what the new plan says."""
+    result = one_rank[MOE_DELINK[0]]
+    assert result["real_losses"][0] == result["pseudo_loss"]
+    assert result["pseudo_levels"] == {"layer0": "device", "layer0.experts": "host_optimizer", "other": "device"}
+    assert result["levels"] == expected_levels("moe:1:1:ddddd:oddo")
+    assert result["held"] == {"device": result["plan"]["device"], "host": result["plan"]["host"]}
+    assert result["moved"] == result["plan"]["moved"] == 2 * 8 * EXPERTS
+    assert result["pseudo_plan_host"] == 16 * EXPERTS and result["plan"]["host"] == 2 * 16 * EXPERTS
