@@ -7,7 +7,8 @@ Usage: delink_worker.py OUT.json SCENARIO... with SCENARIO = TP:POLICY:DISTOPT[:
 experts in 2 prototypes; at TP=2 with sequence parallelism, experts TP-split), ``ep2`` (MoE experts split over
 the 2 ranks, not TP-split), ``drop`` (MoE capacity factor 1.0: tokens dropped; balance loss 0.01), ``bf16`` (Float16Module
 + Megatron's bf16 optimizer), ``noswitch`` (the pseudo model trains on: the control run), ``samedata`` (every
-data-parallel rank gets the same batch, so TP=1 x DP=2 and TP=2 x DP=1 train on the same data)."""
+data-parallel rank gets the same batch, so TP=1 x DP=2 and TP=2 x DP=1 train on the same data), ``lrX`` (learning
+rate X instead of the default below)."""
 import os
 import sys
 
@@ -62,7 +63,7 @@ def run_scenario(tp, policy, distopt, *flags):
     routing = dict(capacity_factor=1.0, balance_loss_coeff=0.01) if "drop" in flags else dict(capacity_factor=2.0)
     extra = m6_moe_config(4, 2, **routing) if moe else {}  # capacity factor 2.0 (top-1 of 2 experts): none dropped
     cfg = ms.config(num_layers=L, tp=tp, ep=ep, expert_tensor_parallel_size=etp, sequence_parallel=moe and tp > 1, bf16=bf16, **extra)
-    lr = LR["moe" if moe else "dense"]
+    lr = next((float(f[2:]) for f in flags if f.startswith("lr")), LR["moe" if moe else "dense"])
 
     def wrap(model):
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
