@@ -80,9 +80,8 @@ class _AdamState:
             self.main.update({id(p): p for group in inner.fp32_from_fp32_groups for p in group})
         else:
             raise NotImplementedError(
-                f"pseudo_to_real.optimizer_state copy/scale: {type(inner).__name__} is not supported; accepted: "
-                f"DistributedOptimizer, Float16OptimizerWithFloat16Params (bf16/fp16) and FP32Optimizer, or "
-                f"optimizer_state 'reset'"
+                f"in-process delink: optimizer {type(inner).__name__} is not supported; accepted: "
+                f"DistributedOptimizer, Float16OptimizerWithFloat16Params (bf16/fp16) and FP32Optimizer"
             )
         self.inner = inner
 
@@ -180,7 +179,8 @@ def delink_in_process(
     name) and every layer's fp32 master is set to the shared one (bf16/fp16 weights alone would round it). Adam's
     moments follow ``policy``: ``copy`` (every layer starts from the shared moments), ``scale`` (divided by the
     number of layers that shared them, squared for the second moment) or ``reset``; the step count is kept except
-    on ``reset``. Call it on every rank at the same iteration, between optimizer steps.
+    on ``reset``; an fp16 loss scale carries over. Call it on every rank at the same iteration, between optimizer
+    steps.
     """
     policy = OptimizerStatePolicy(policy).value
     carry = policy != OptimizerStatePolicy.RESET.value
@@ -199,7 +199,12 @@ def delink_in_process(
             state = chunk_states[id(shared)]
             if not carry or "exp_avg" not in state:  # reset, or a parameter Adam has not stepped yet
                 return state["main"], None, None
-            return state["main"], member_moments(policy, {k: state[k] for k in MOMENTS}, uses[id(shared)]), state["step"]
+            moments = member_moments(policy, {k: state[k] for k in MOMENTS}, uses[id(shared)])
+            return state["main"], moments, state["step"]
 
         _write_states(chunk.module, new_optimizer, source, moments=carry)
+    for old, new in zip(_inner_optimizers(optimizer), _inner_optimizers(new_optimizer)):
+        if getattr(old, "grad_scaler", None) is not None and getattr(new, "grad_scaler", None) is not None:
+            # fp16's dynamic loss scale: a fresh one would skip steps on overflow until it found its level again.
+            new.grad_scaler.load_state_dict(old.grad_scaler.state_dict())
     return new_chunks, new_optimizer

@@ -4,7 +4,7 @@ The model is wrapped in Megatron's DDP with overlapped grad reduce and trained w
 dense / 3e-3 MoE, clip 1.0) through get_forward_backward_func; at the switch the real model is rebuilt, DDP and
 the optimizer are rebuilt, and every real parameter's fp32 master, Adam moments and step are checked exactly
 against the shared parameter it came from under the copy / scale / reset policy. Optimizers covered:
-DistributedOptimizer, FP32Optimizer, Float16OptimizerWithFloat16Params (bf16); MoE with EP=2 and with TP=2 +
+DistributedOptimizer, FP32Optimizer, Float16OptimizerWithFloat16Params (bf16, fp16); MoE with EP=2 and with TP=2 +
 sequence parallelism (experts TP-split, or expert-parallel with token dropping).
 """
 import json
@@ -18,7 +18,7 @@ WORKERS = Path(__file__).parent / "workers"
 
 SCENARIOS = {"dp2-copy-distopt": "1:copy:1", "dp2-copy-plain": "1:copy:0", "dp2-reset-plain": "1:reset:0",
              "tp2-scale-distopt": "2:scale:1",
-             "dp2-copy-bf16": "1:copy:0:bf16", "tp2-scale-bf16": "2:scale:0:bf16",
+             "dp2-copy-bf16": "1:copy:0:bf16", "tp2-scale-bf16": "2:scale:0:bf16", "dp2-copy-fp16": "1:copy:0:fp16",
              "dp2-ep2-moe-copy-distopt": "1:copy:1:moe:ep2", "dp2-ep2-moe-scale-distopt": "1:scale:1:moe:ep2",
              "dp2-ep2-moe-noswitch": "1:copy:1:moe:ep2:noswitch",
              "tp1-moe-copy": "1:copy:1:moe:samedata", "tp2-sp-etp2-moe-copy": "2:copy:1:moe:samedata",
@@ -61,12 +61,14 @@ def test_tp2_scale_distributed_optimizer(runs):
     assert r["losses"][5] < r["losses"][3] and r["final_eval"] < r["pre_switch_eval"]
 
 
-@pytest.mark.parametrize("name", ["dp2-copy-bf16", "tp2-scale-bf16"])
-def test_bf16_optimizer_carries_masters_and_moments(runs, name):
-    """Megatron's bf16 optimizer without DistributedOptimizer: masters and moments live on its fp32 copies."""
+@pytest.mark.parametrize("name", ["dp2-copy-bf16", "tp2-scale-bf16", "dp2-copy-fp16"])
+def test_float16_optimizer_carries_masters_and_moments(runs, name):
+    """Megatron's bf16/fp16 optimizer without DistributedOptimizer: masters and moments live on its fp32 copies
+    (checked exactly for every parameter above); fp16's dynamic loss scale (grown from 1024) carries over."""
     r = runs[name]
     assert r["optimizer"] == "Float16OptimizerWithFloat16Params"
     assert r["losses"][4] < r["losses"][3] and r["final_eval"] < r["pre_switch_eval"]
+    assert r["loss_scale_post"] == r["loss_scale_pre"] == (2048.0 if name.endswith("fp16") else 1.0)
 
 
 def test_dp2_ep2_m6_moe_each_layer_gets_its_own_experts(runs):

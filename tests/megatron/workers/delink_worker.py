@@ -3,12 +3,16 @@ iteration SWITCH; reports losses around the switch, the optimizer state every re
 the size of the first update after the switch per kind of parameter.
 
 Usage: delink_worker.py OUT.json SCENARIO... with SCENARIO = TP:POLICY:DISTOPT[:FLAG...], all run in one process
-(one job start for all of them); OUT.json maps each scenario to its figures. Flags: ``moe`` (M6 MoE layers, 4
-experts in 2 prototypes; at TP=2 with sequence parallelism, experts TP-split), ``ep2`` (MoE experts split over
-the 2 ranks, not TP-split), ``drop`` (MoE capacity factor 1.0: tokens dropped; balance loss 0.01), ``bf16`` (Float16Module
-+ Megatron's bf16 optimizer), ``noswitch`` (the pseudo model trains on: the control run), ``samedata`` (every
-data-parallel rank gets the same batch, so TP=1 x DP=2 and TP=2 x DP=1 train on the same data), ``lrX`` (learning
-rate X instead of the default below)."""
+(one job start for all of them); OUT.json maps each scenario to its figures. Flags:
+  moe       M6 MoE layers, 4 experts in 2 prototypes (at TP=2 with sequence parallelism, experts TP-split)
+  ep2       MoE experts split over the 2 ranks, not TP-split
+  drop      MoE capacity factor 1.0 (tokens dropped) and balance loss 0.01
+  bf16      Float16Module + Megatron's bf16 optimizer
+  fp16      the same in fp16, dynamic loss scale from 2**10, doubling every 2 steps without overflow
+  noswitch  the pseudo model trains on: the control run
+  samedata  every data-parallel rank gets the same batch (TP=1 x DP=2 and TP=2 x DP=1 see the same data)
+  lrX       learning rate X instead of the default below
+"""
 import os
 import sys
 
@@ -47,7 +51,7 @@ def category(name: str) -> str:
 
 def run_scenario(tp, policy, distopt, *flags):
     tp, distopt, flags = int(tp), distopt == "1", set(flags)
-    moe, bf16 = "moe" in flags, "bf16" in flags
+    moe, bf16, fp16 = "moe" in flags, "bf16" in flags, "fp16" in flags
     ep = 2 if "ep2" in flags else 1
     etp = 1 if ep > 1 else tp
     ms.init(tp=tp, ep=ep, etp=etp)
@@ -62,16 +66,20 @@ def run_scenario(tp, policy, distopt, *flags):
     spec = m6_layer_spec(4, 2) if moe else None
     routing = dict(capacity_factor=1.0, balance_loss_coeff=0.01) if "drop" in flags else dict(capacity_factor=2.0)
     extra = m6_moe_config(4, 2, **routing) if moe else {}  # capacity factor 2.0 (top-1 of 2 experts): none dropped
-    cfg = ms.config(num_layers=L, tp=tp, ep=ep, expert_tensor_parallel_size=etp, sequence_parallel=moe and tp > 1, bf16=bf16, **extra)
+    cfg = ms.config(num_layers=L, tp=tp, ep=ep, expert_tensor_parallel_size=etp, sequence_parallel=moe and tp > 1,
+                    bf16=bf16, fp16=fp16, **extra)
     lr = next((float(f[2:]) for f in flags if f.startswith("lr")), LR["moe" if moe else "dense"])
 
     def wrap(model):
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
                                                    use_distributed_optimizer=distopt)
         chunks = [DistributedDataParallel(config=cfg, ddp_config=ddp_config,
-                                          module=Float16Module(cfg, model) if bf16 else model)]
+                                          module=Float16Module(cfg, model) if bf16 or fp16 else model)]
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, bf16=bf16,
-                                                           use_distributed_optimizer=distopt, clip_grad=1.0), chunks)
+                                                           fp16=fp16, initial_loss_scale=2**10, loss_scale_window=2,
+                                                           clip_grad=1.0,
+                                                           use_distributed_optimizer=distopt), chunks)
+        cfg.grad_scale_func = optimizer.scale_loss
         cfg.finalize_model_grads_func = finalize_model_grads
         cfg.no_sync_func = chunks[0].no_sync
         cfg.grad_sync_func = chunks[0].start_grad_sync
@@ -103,11 +111,13 @@ def run_scenario(tp, policy, distopt, *flags):
     for step in range(STEPS):
         if step == SWITCH and "noswitch" not in flags:
             result["pre_switch_eval"] = evaluate()
+            result["loss_scale_pre"] = float(optimizer.get_loss_scale())
             pseudo = chunks[0].module
             shared = read_adam_states(pseudo, optimizer)
             pseudo_named = dict(pseudo.named_parameters(remove_duplicate=False))
             chunks, optimizer = delink_in_process(chunks, optimizer, lambda: wrap(ms.gpt(cfg, spec, seed=3)), policy)
             result["post_switch_eval"] = evaluate()
+            result["loss_scale_post"] = float(optimizer.get_loss_scale())
             result["real_params"] = sharing.parameter_count(gpt(chunks[0]))
             result.update(check_carried_state(chunks[0].module, optimizer, shared, pseudo_named, policy))
         for chunk in chunks:
@@ -161,8 +171,8 @@ def check_carried_state(real, optimizer, shared, pseudo_named, policy):
         if not ok_moments or any(not torch.equal(got[k].float(), v.float()) for k, v in expected.items()):
             mismatches.append(name)
         checked += 1
-    nonzero = policy == "reset" or all(float(carried[id(p)]["exp_avg_sq"].abs().sum()) > 0
-                                       for n, p in real.named_parameters() if ".mlp.experts." in n or ".mlp.router." in n)
+    routed = [p for n, p in real.named_parameters() if ".mlp.experts." in n or ".mlp.router." in n]
+    nonzero = policy == "reset" or all(float(carried[id(p)]["exp_avg_sq"].abs().sum()) > 0 for p in routed)
     per_rank = [None] * dist.get_world_size()  # expert-parallel ranks hold different experts: report them all
     dist.all_gather_object(per_rank, (mismatches, checked, nonzero))
     return {"state_mismatches": [f"rank{r}:{name}" for r, (names, _, _) in enumerate(per_rank) for name in names],
