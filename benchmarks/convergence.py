@@ -596,6 +596,10 @@ def run_regime(regime: Regime, seeds: Sequence[int], corpus, out_dir: Path, tag:
         clocks["offload"] = {phase: v["step_s"] for phase, v in offload["phases"].items()}
     summary = analyse(regime, runs, clocks)
     table = print_tables(regime, summary, list(clocks), step_cost)
+    print("pooled medians per phase: forward+backward "
+          + ", ".join(f"{k} {v:.4f}s" for k, v in sorted(phase_medians(runs, "compute_s").items()))
+          + "; optimizer step " + ", ".join(f"{k} {v:.4f}s" for k, v in sorted(phase_medians(runs, "optimizer_s").items())),
+          flush=True)
     if offload and "runs_matching_plan" in next(iter(offload["phases"].values()), {}):
         print(f"granular offload at a device budget of {offload['budget_bytes']:,} B ({offload['budget_rule']}):")
         for phase, v in offload["phases"].items():
