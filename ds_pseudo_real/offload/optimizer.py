@@ -254,10 +254,10 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         return {where: sum(held[where] for held in by_group) for where in ("device", "host")}
 
     def held_bytes_by_group(self) -> Dict[str, Dict[str, int]]:
-        """``held_bytes`` of each group, keyed by its ``placement``."""
-        out = {}
+        """``held_bytes`` of each group, keyed by its ``placement`` (groups sharing one are summed)."""
+        out: Dict[Any, Dict[str, int]] = {}
         for group in self.param_groups:
-            held = out[group["placement"]] = {"device": 0, "host": 0}
+            held = out.setdefault(group["placement"], {"device": 0, "host": 0})
             where = "device" if group["level"] == PlacementLevel.DEVICE.value else "host"
             for p in group["params"]:
                 state = self.state.get(p) or {}

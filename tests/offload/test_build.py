@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import TinyLM, batch  # noqa: E402
 
 from ds_pseudo_real.config import ConfigError
-from ds_pseudo_real.offload import PlanError, build_offload_optimizer, describe_offload_plan
+from ds_pseudo_real.offload import GranularOffloadOptimizer, PlanError, build_offload_optimizer, describe_offload_plan
 from ds_pseudo_real.sharing import apply_sharing, parameter_count
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
@@ -118,3 +118,14 @@ def test_checkpoint_with_the_plan_name_under_name_still_loads():
     assert keys == [(g["placement"], g.get("name"), g.get("moe")) for g in optimizer.param_groups]
     assert keys[4] == ("layer0.experts", "ep_size_1", True) and keys[0] == ("layer0", None, None)
     assert all(torch.equal(fresh.state[p]["exp_avg"], optimizer.state[p]["exp_avg"]) for p in model.parameters())
+
+
+def test_groups_built_by_hand_without_placement_are_all_accounted():
+    model = TinyLM()
+    optimizer = GranularOffloadOptimizer([{"params": list(layer.parameters()), "level": "host_optimizer"}
+                                          for layer in model.layers] + [{"params": list(model.embed.parameters())
+                                                                         + list(model.head.parameters())}])
+    model(*batch(0, 0)).backward()
+    optimizer.step()
+    assert optimizer.held_bytes() == {"device": 8 * OTHER, "host": 16 * 4 * LAYER}
+    assert optimizer.moved_bytes == optimizer.moved_bytes_by_group[None] == 8 * 4 * LAYER
