@@ -652,6 +652,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared machine)")
     p.add_argument("--corpus-bytes", type=int, default=4 << 20)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--tag", default=None,
+                   help="suffix of the results files, convergence_<regime><tag>.json (default '', quick '_quick')")
     p.add_argument("--reanalyse", action="store_true",
                    help="no training: analyse and plot the runs stored in the results files again")
     return p.parse_args(argv)
@@ -665,7 +667,7 @@ def main(argv=None) -> int:
     from ds_pseudo_real.data import ByteCorpus
 
     seeds = list(range(args.seeds or (2 if args.quick else 3)))
-    tag = "_quick" if args.quick else ""
+    tag = args.tag if args.tag is not None else ("_quick" if args.quick else "")
     corpus = None if args.reanalyse else ByteCorpus(max_bytes=args.corpus_bytes)
     for regime in regimes(args):
         if args.reanalyse:
