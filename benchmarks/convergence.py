@@ -95,11 +95,11 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
     ]
 
 
-def memory_bound_arms(quick: bool) -> List[Arm]:
+def memory_bound_arms(n_layer: int, quick: bool) -> List[Arm]:
+    """The dense regime's variants (the smoke run: scratch and one switch)."""
     if quick:
         return [Arm("scratch"), Arm("p2r@25% scale", "pseudo_to_real", 0.25)]
-    return [Arm("scratch"), Arm("p2r@10% scale", "pseudo_to_real", 0.10), Arm("p2r@25% scale", "pseudo_to_real", 0.25),
-            Arm("p2r@50% scale", "pseudo_to_real", 0.50)]
+    return dense_arms(n_layer, quick=False)
 
 
 def select_arms(arms: List[Arm], names: Optional[str]) -> List[Arm]:
@@ -128,7 +128,7 @@ def regimes(args) -> List[Regime]:
             "memory_bound", args.n_layer, args.d_model, args.n_head, args.seq_len, args.batch_size,
             args.mb_steps or (30 if args.quick else 160), args.lr, args.warmup,
             args.eval_interval or (10 if args.quick else 25), args.eval_batches,
-            select_arms(memory_bound_arms(args.quick), args.arms),
+            select_arms(memory_bound_arms(args.n_layer, args.quick), args.arms),
             moe=dict(num_experts=args.experts, num_prototypes=args.prototypes, ffn=args.expert_ffn,
                      capacity_factor=args.capacity_factor, balance_coeff=0.01),
             offload=dict(bandwidth_gbps=args.bandwidth_gbps, budget_fraction=args.budget_fraction),

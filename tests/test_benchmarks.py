@@ -62,7 +62,7 @@ def test_paired_statistics_t_and_sign_test():
 
 
 def test_select_arms_keeps_the_regime_order_and_requires_scratch():
-    arms = convergence.memory_bound_arms(quick=False)
+    arms = convergence.memory_bound_arms(8, quick=False)
     chosen = convergence.select_arms(arms, "p2r@25% scale, scratch")
     assert [a.name for a in chosen] == ["scratch", "p2r@25% scale"]
     assert convergence.select_arms(arms, None) == arms
