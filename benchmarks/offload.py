@@ -6,8 +6,8 @@ step times say little (the "device" is the host): what counts there is exactness
 no-offload losses with the same Adam kernel and param groups) and the accounting. Prints a table and the ratios,
 writes JSON.
 
-    python benchmarks/offload.py --layers 8 --d-model 256 --device-memory 60MB            # CPU: exactness + bytes
-    python benchmarks/offload.py --layers 24 --d-model 2048 --device-memory 20GB --arms all  # GPU: time + memory
+    python benchmarks/offload.py --layers 8 --d-model 256 --device-memory 100MB           # CPU: exactness + bytes
+    python benchmarks/offload.py --layers 24 --d-model 2048 --bf16 --device-memory 12GB --arms all  # GPU: time + memory
 """
 from __future__ import annotations
 
