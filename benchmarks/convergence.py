@@ -16,9 +16,9 @@ deterministic cost-model clock (each phase's median measured step time, pooled o
 steps); and for memory_bound an offload clock (the cost-model step + the plan's moved bytes at a stated
 host<->device bandwidth: where the device is the CPU, the measured step has the host Adam but no transfer).
 
-    python benchmarks/convergence.py            # both regimes, ~25 min on 2 busy CPU cores
+    python benchmarks/convergence.py            # both regimes, 9 variants each, 3 seeds: 25-55 min on 2 CPU cores
     python benchmarks/convergence.py --quick    # smoke run, ~3 min (2 seeds, fewer variants: not for conclusions)
-    python benchmarks/convergence.py --regime memory_bound --seeds 10 --arms "scratch,p2r@10% scale,p2r@25% scale"
+    python benchmarks/convergence.py --regime memory_bound --seeds 16 --arms "scratch,p2r@10% scale,p2r@25% scale"
 
 Writes benchmarks/results/convergence_<regime>.json (after every run, so an interrupted run keeps what finished)
 and .png, and prints the tables.
