@@ -65,8 +65,8 @@ def plan_row(arch, stage: str, expert_parallel: int, world: int, dtype: str, zer
         )
     except PlanError as error:
         # the furthest placement the planner allows, to say how far from the budget it is
-        furthest = PlacementLevel.HOST_PARAMS if setup.supports_host_params else PlacementLevel.HOST_OPTIMIZER
-        floor = place(groups, {g.name: (furthest if g.is_layer else PlacementLevel.HOST_OPTIMIZER) for g in groups},
+        furthest = PlacementLevel.HOST_PARAMS
+        floor = place(groups, {g.name: (furthest if g.fetchable else PlacementLevel.HOST_OPTIMIZER) for g in groups},
                       setup, budget)
         row.update(granular_fits=False, device_bytes=floor.device_bytes, host_bytes=floor.host_bytes,
                    moved_bytes_per_step=floor.moved_bytes_per_step, levels={furthest.value: "all layers"},

@@ -204,6 +204,10 @@ class PseudoToRealController:
             mpu=self._mpu,
             config=ds_config,
         )
+        if self.offload_plan is not None:
+            from .offload import attach_to_engine
+
+            attach_to_engine(engine)
         target = ds_state.basic_optimizer(engine)
         if target is not None:
             target.register_step_pre_hook(self._scale_lr)
@@ -292,9 +296,9 @@ class PseudoToRealController:
         self.engine, self.optimizer, _, self.lr_scheduler = self._initialize(real)
 
     def _release_engine(self) -> None:
-        store = getattr(ds_state.basic_optimizer(self.engine), "host_params", None)
-        if store is not None:  # granular offload's fetch hooks live on the old model's layers
-            store.remove()
+        remove_hooks = getattr(ds_state.basic_optimizer(self.engine), "remove_hooks", None)
+        if remove_hooks is not None:  # granular offload's fetch and gradient hooks live on the old model
+            remove_hooks()
         self.engine.destroy()
         self.engine = self.optimizer = self.lr_scheduler = None
         gc.collect()

@@ -38,7 +38,26 @@ def consolidated_fp32_weights(folder: Path, zero_stage: int, model_states: Dict)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+    state.update(_offload_own_weights(folder, model_states, set(state)))
     return {k: v.float() for k, v in state.items()}
+
+
+def _offload_own_weights(folder: Path, model_states: Dict, known: set) -> Dict[str, torch.Tensor]:
+    """Weights of granular offload's host_params groups, which it steps outside DeepSpeed's optimizer (so
+    ``zero_to_fp32`` does not see them): their fp32 masters from the optimizer state (the same on every rank),
+    else (fp32, where the host params are the master) the module's own values."""
+    from .offload.optimizer import OWN_GROUPS_KEY
+
+    files = sorted(glob.glob(str(folder / "*optim_states.pt")))
+    if not files:
+        return {}
+    optimizer = torch.load(files[0], map_location="cpu", weights_only=False).get("optimizer_state_dict", {})
+    out = {}
+    for group in (optimizer.get("base_optimizer_state") or {}).get(OWN_GROUPS_KEY, []):
+        for name, master in zip(group["names"] or [], group["masters"]):
+            if name not in known:
+                out[name] = master if master is not None else model_states["module"][name]
+    return out
 
 
 def convert(input_dir: str, output_dir: str, tag: Optional[str] = None) -> Path:

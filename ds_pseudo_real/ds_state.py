@@ -2,14 +2,17 @@
 
 Owns every use of DeepSpeed internals by the plugin (written against DeepSpeed 0.19.8): ``safe_get/set_full_*``
 for ZeRO 1-3 and the bf16 optimizer, direct access for the plain fp32 optimizer of ZeRO stage 0, seeding the
-lazily created optimizer state so moments can be set before the first step, and the per-rank byte accounting.
+lazily created optimizer state so moments can be set before the first step, the per-rank byte accounting, and
+folding the norm of gradients DeepSpeed does not hold (granular offload's own groups) into its global gradient
+norm, by wrapping one method on the engine's own optimizer instance (it lives and dies with that engine).
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
+from deepspeed.runtime.utils import combine_grad_norm_groups
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
@@ -45,20 +48,31 @@ def _master(engine, param: torch.nn.Parameter) -> torch.Tensor:
     return param
 
 
+def _optimizer_state(engine, tensor: torch.Tensor) -> Dict[str, Any]:
+    """The state entry of ``tensor``: granular offload keeps its own groups' states outside ``.state``."""
+    optimizer = basic_optimizer(engine)
+    return optimizer.state_of(tensor) if hasattr(optimizer, "state_of") else optimizer.state[tensor]
+
+
 def _stepped_tensors(engine):
     """(group index, tensor) for every tensor whose optimizer state exists. ZeRO-3 keeps its flat fp32
-    sub-groups outside ``param_groups`` between steps, so they are listed from the ZeRO optimizer."""
+    sub-groups outside ``param_groups`` between steps, so they are listed from the ZeRO optimizer; granular
+    offload's own groups (outside DeepSpeed's optimizer) follow the param groups."""
     flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
     if flats is not None:
         groups = getattr(engine.optimizer, "sub_group_to_group_id", {})
         return [(groups.get(i, 0), t) for i, t in enumerate(flats)]
     optimizer = basic_optimizer(engine)
-    return [(i, t) for i, g in enumerate(optimizer.param_groups) for t in g["params"]]
+    groups = list(optimizer.param_groups) + list(getattr(optimizer, "own_param_groups", []))
+    return [(i, t) for i, g in enumerate(groups) for t in g["params"]]
 
 
 def full_fp32_param(engine, param: torch.nn.Parameter) -> torch.Tensor:
     """The full fp32 value of ``param`` on the CPU. A collective under ZeRO-3: call on every rank, same order."""
-    value = safe_get_full_fp32_param(param) if _is_managed(param) else _master(engine, param)
+    own_master = getattr(basic_optimizer(engine), "fp32_master", None)
+    value = own_master(param) if own_master is not None else None
+    if value is None:
+        value = safe_get_full_fp32_param(param) if _is_managed(param) else _master(engine, param)
     return value.detach().float().cpu().clone()
 
 
@@ -72,7 +86,7 @@ def full_moments(engine, param: torch.nn.Parameter) -> Optional[Dict[str, torch.
         if any(v is None for v in values.values()):
             return None
         return {k: v.detach().float().cpu().clone() for k, v in values.items()}
-    state = basic_optimizer(engine).state.get(_master(engine, param), {})
+    state = _optimizer_state(engine, _master(engine, param))
     if not all(k in state for k in MOMENT_KEYS):
         return None
     return {k: state[k].detach().float().cpu().clone() for k in MOMENT_KEYS}
@@ -101,7 +115,7 @@ def seed_optimizer_state(engine, counters: Dict[str, Any]) -> None:
         if step is not None:
             group["step"] = copy.deepcopy(step)
     for _, tensor in _stepped_tensors(engine):
-        state = optimizer.state[tensor]
+        state = _optimizer_state(engine, tensor)
         for key in MOMENT_KEYS:
             state[key] = torch.zeros_like(tensor, dtype=torch.float32)
         if counters["state_step"] is not None:
@@ -128,7 +142,7 @@ def set_full_moments(engine, param: torch.nn.Parameter, moments: Dict[str, torch
         for key in MOMENT_KEYS:
             safe_set_full_optimizer_state(param, moments[key].to(param.device), key)
         return
-    state = basic_optimizer(engine).state[_master(engine, param)]
+    state = _optimizer_state(engine, _master(engine, param))
     for key in MOMENT_KEYS:
         state[key].copy_(moments[key])
 
@@ -152,9 +166,8 @@ def memory_report(engine) -> Dict[str, int]:
     master_tensors = [t for _, t in _stepped_tensors(engine)]
     module_ids = {id(p) for p in params}
     master_bytes = sum(t.numel() * t.element_size() for t in master_tensors if id(t) not in module_ids)
-    state_bytes = sum(
-        v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
-    )
+    states = list(optimizer.state.values()) + list(getattr(optimizer, "own_state", {}).values())
+    state_bytes = sum(v.numel() * v.element_size() for s in states for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
     stage = engine.zero_optimization_stage()
     grad_elements = sum(t.numel() for t in master_tensors) if stage >= 2 else sum(p.numel() for p in params)
     grad_size = torch.empty((), dtype=engine.get_data_types()[1]).element_size()
@@ -187,3 +200,60 @@ def gather_full_state(engine, with_moments: bool) -> Tuple[Dict[str, torch.Tenso
             if value is not None:
                 moments[name] = value
     return weights, moments
+
+
+def include_in_gradient_norm(engine, extra_norm: Callable[[], torch.Tensor]) -> Callable[[], Tuple[Any, float]]:
+    """Make the global gradient norm of ``engine``'s ZeRO 1/2 or bf16 optimizer include ``extra_norm()`` (the L2
+    norm of gradients it does not hold, already reduced over the data-parallel ranks), so that it clips with the
+    whole model's norm. Returns a callable giving the norm of the current step once DeepSpeed computed it.
+
+    DeepSpeed 0.19.8: ZeRO 1/2 combine their group norms in ``scaled_global_norm()`` before clipping; the bf16
+    optimizer takes the norm of the tensors ``get_grads_for_norm()`` lists, so a one-element tensor holding the
+    extra norm adds its square; the stage-0 unfused optimizer (bf16 with a client optimizer) passes its norm to
+    ``unscale_and_clip_grads``. All keep the result in ``_global_grad_norm``. The returned callable gives
+    ``(norm, loss_scale)``: the unfused optimizer scales the loss (dynamic loss scaling, kept for bf16 too), and
+    its norm and the gradients it leaves are both scaled; ZeRO 1/2 and the bf16 optimizer report scale 1.
+    """
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "scaled_global_norm"):
+        original = optimizer.scaled_global_norm
+
+        def scaled_global_norm(norm_type=2):
+            norm = original(norm_type)
+            return combine_grad_norm_groups([norm, extra_norm().to(norm.device)], norm_type=norm_type)
+
+        optimizer.scaled_global_norm = scaled_global_norm
+        return lambda: (optimizer._global_grad_norm, optimizer.loss_scale)
+    if hasattr(optimizer, "get_grads_for_norm") and hasattr(optimizer, "bf16_groups"):
+        original = optimizer.get_grads_for_norm
+
+        def get_grads_for_norm(for_clipping=False):
+            grads = original(for_clipping=for_clipping)
+            if for_clipping:
+                return grads
+            dense, experts = grads
+            device = dense[0].device if dense else torch.device("cpu")
+            return dense + [extra_norm().to(device).reshape(1)], experts
+
+        optimizer.get_grads_for_norm = get_grads_for_norm
+        return lambda: (optimizer._global_grad_norm, 1.0)
+    if hasattr(optimizer, "unscale_and_clip_grads") and hasattr(optimizer, "fp32_groups"):
+        original = optimizer.unscale_and_clip_grads  # stage-0 unfused optimizer: bf16 with a client optimizer
+
+        def unscale_and_clip_grads(total_norm, apply_scale=True):
+            total_norm = float(torch.tensor([total_norm, float(extra_norm())]).norm())
+            optimizer._global_grad_norm = total_norm
+            return original(total_norm, apply_scale)
+
+        optimizer.unscale_and_clip_grads = unscale_and_clip_grads
+        return lambda: (optimizer._global_grad_norm, optimizer.loss_scale_config.cur_scale)
+    raise TypeError(f"granular_offload: cannot fold gradients into the global norm of {type(optimizer).__name__} "
+                    f"(written against DeepSpeed 0.19.8's ZeRO 1/2, bf16 and stage-0 unfused optimizers)")
+
+
+def steps_when_built(engine) -> bool:
+    """True when the engine's optimizer stepped its client optimizer once with zero gradients while it was built
+    (DeepSpeed 0.19.8's stage-0 unfused optimizer: ``initialize_optimizer_states``)."""
+    optimizer = engine.optimizer
+    return hasattr(optimizer, "initialize_optimizer_states") and hasattr(optimizer, "fp32_groups") \
+        and not hasattr(optimizer, "bf16_groups")

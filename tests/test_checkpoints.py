@@ -33,9 +33,12 @@ def train(engine, until):
     return losses
 
 
-def make(stage=2, policy="copy", seed=0, dtype="fp32"):
+def make(stage=2, policy="copy", seed=0, dtype="fp32", offload=None):
     cfg = config(stage, dtype, policy, switch=SWITCH)
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}}
+    if offload is not None:
+        cfg["granular_offload"] = offload
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3}}
     engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(seed), config=cfg)
     return engine
 
@@ -117,6 +120,32 @@ def test_converted_checkpoint_gives_the_pseudo_logits_on_another_zero_stage(tmp_
     assert real.optimizer.param_groups[0]["lr"] == pytest.approx(pseudo_lr_at(SWITCH - 1))
     train(real, SWITCH + 1)
     real.engine.destroy()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_converted_checkpoint_carries_host_params_groups(tmp_path, dtype):
+    """ZeRO 2 with the pseudo model's shared set at host_params, stepped outside DeepSpeed's optimizer (so
+    DeepSpeed's own consolidation does not see it): the converter takes its fp32 master from the offload
+    optimizer's state; in fp32 the real model then gives the pseudo model's logits."""
+    pseudo = make(stage=2, dtype=dtype, offload={"levels": {"0": "host_params"}})
+    offload = ds_pseudo_real.ds_state.basic_optimizer(pseudo.engine)
+    assert [g["placement"] for g in offload.own_param_groups] == ["layer0"]
+    train(pseudo, SWITCH - 1)
+    expected = logits(pseudo)
+    masters = {name: offload.fp32_master(p).clone() for name, p in pseudo.module.named_parameters()
+               if name.startswith("layers.0.")}
+    pseudo.save_checkpoint(str(tmp_path / "pseudo"))
+    pseudo.engine.destroy()
+    out = convert(str(tmp_path / "pseudo"), str(tmp_path / "real"))
+    weights = torch.load(out / "model_fp32.pt")
+    for name, master in masters.items():
+        for layer in range(4):  # expanded to every layer of the real model
+            assert torch.equal(weights[name.replace("layers.0.", f"layers.{layer}.")], master), name
+    if dtype == "fp32":
+        real = make(stage=1, seed=9)
+        real.load_checkpoint(str(tmp_path / "real"))
+        assert torch.equal(logits(real), expected)
+        real.engine.destroy()
 
 
 def pseudo_lr_at(step):

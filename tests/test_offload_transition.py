@@ -11,9 +11,11 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from delink_matrix import BeforeDelink, config, eval_loss, fixed_batch, tiny_gpt  # noqa: E402
 
 
-def run(levels_or_budget, stage=1, steps=6):
+def run(levels_or_budget, stage=1, steps=6, clipping=None):
     cfg = config(stage, "fp32", "copy", switch=3)
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3}}
+    if clipping is not None:
+        cfg["gradient_clipping"] = clipping
     cfg["granular_offload"] = levels_or_budget
     ref = [None]
     before_delink = BeforeDelink(ref, fixed_batch(99))
@@ -58,6 +60,25 @@ def test_host_params_level_after_the_delink_matches_all_device():
     assert "host_params" in plans[1].levels().values()
     _, reference, _ = run({"device_memory": "1GiB"}, stage=0)
     assert losses == reference
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_host_params_outside_deepspeed_across_the_delink(stage):
+    """ZeRO 1/2: the pseudo model's shared set and then the real model's layers 2-3 at host_params, stepped by
+    the offload optimizer outside DeepSpeed's; the delink carries their moments and the trajectory is the
+    all-device one bit for bit (without clipping, whose norm the own groups join in another summation order)."""
+    levels = {"levels": ["host_params", "device", "host_params", "host_params"]}
+    plans, losses, report = run(levels, stage, clipping=0.0)
+    assert report["pre"] == report["post"]
+    assert report["moments_carried"] == len(list(tiny_gpt().parameters()))
+    assert plans[0].levels()["layer0"] == "host_params"
+    assert [plans[1].level_of(f"layer{i}").value for i in range(4)] == ["host_params", "device", "host_params",
+                                                                       "host_params"]
+    _, reference, _ = run({"device_memory": "1GiB"}, stage, clipping=0.0)
+    assert losses == reference
+    _, clipped, _ = run(levels, stage)
+    _, clipped_reference, _ = run({"device_memory": "1GiB"}, stage)
+    assert clipped == pytest.approx(clipped_reference, rel=1e-6)
 
 
 def test_explicit_levels_name_the_real_models_layers_in_both_stages():

@@ -1,7 +1,7 @@
 """Granular CPU offloading: a per-layer placement planner (``planner``), its config section (``config``), the
 ``plan`` command (``cli``), the ZeRO-compatible optimizer wrapper (``optimizer``) and host-resident parameters
-(``params``). ``build_offload_optimizer`` composes them for ``ds_pseudo_real.initialize``; nothing else here
-touches the engine."""
+(``params``). ``build_offload_optimizer`` composes them for ``ds_pseudo_real.initialize``; ``attach_to_engine``
+is the one step taken on the engine built with them (through ``ds_pseudo_real.ds_state``)."""
 from __future__ import annotations
 
 import copy
@@ -9,8 +9,10 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import is_moe_param
+from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
 from torch import nn
 
+from ds_pseudo_real import ds_state
 from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.offload.config import SECTION, explicit_levels, parse_granular_offload, training_setup
 from ds_pseudo_real.offload.optimizer import GranularOffloadOptimizer
@@ -125,7 +127,8 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
     false``; and the :class:`OffloadPlan` (``describe_offload_plan(plan)`` renders it for logs).
 
     Call it again on the real model at the delink: a new plan and a new optimizer, nothing reused. Layers at
-    ``host_params`` get hooks on their modules (``optimizer.host_params.remove()`` takes them off). Raises
+    ``host_params`` get hooks on their modules and, under ZeRO >= 1 or bf16, gradient-streaming hooks on their
+    parameters, which stay outside DeepSpeed's optimizer (``optimizer.remove_hooks()`` takes them all off). Raises
     :class:`ConfigError` for a bad section or optimizer, :class:`PlanError` when nothing fits the budget or a
     level is not accepted for a group (``host_params`` for experts or ``other``).
     """
@@ -139,14 +142,25 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
     else:
         plan = plan_placement(sizes, setup, section.device_memory, PlacementLevel(section.max_level))
     groups = [param_group(size, ps, plan.level_of(size.name)) for size, ps in zip(sizes, params)]
+    fetched = [g for g in groups if g["level"] == PlacementLevel.HOST_PARAMS.value]
     host_params = None
-    if any(g["level"] == PlacementLevel.HOST_PARAMS.value for g in groups):
+    if fetched:
         from ds_pseudo_real.offload.params import HostParamStore
-        host_params = HostParamStore(model, layer_path, [g["params"] for g in groups
-                                                          if g["level"] == PlacementLevel.HOST_PARAMS.value],
+        host_params = HostParamStore(model, layer_path, [g["params"] for g in fetched],
                                      prefetch=section.prefetch, pin_memory=section.pin_memory)
-    optimizer = GranularOffloadOptimizer(groups, pin_memory=section.pin_memory, host_params=host_params,
-                                         **adam_arguments(ds_config))
+    own = fetched if plan.setup.host_params_outside_deepspeed else []
+    names = {id(p): name for name, p in model.named_parameters()}
+    for group in own:  # named in checkpoints, where DeepSpeed's consolidation does not see them
+        group["param_names"] = [names[id(p)] for p in group["params"]]
+    kept = [g for g in groups if all(g is not o for o in own)]
+    if not kept:
+        raise PlanError(f"{SECTION}: every parameter group is at 'host_params', which under ZeRO >= 1 or bf16 stays "
+                        f"outside DeepSpeed's optimizer, and DeepSpeed needs one group at least; accepted: put one "
+                        f"group (e.g. 'other') at 'device' or 'host_optimizer'")
+    clip_grad = float(ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+    optimizer = GranularOffloadOptimizer(kept, pin_memory=section.pin_memory, host_params=host_params,
+                                         own_groups=own, stream_gradients=plan.setup.streams_gradients,
+                                         clip_grad=clip_grad, **adam_arguments(ds_config))
     patched = copy.deepcopy(dict(ds_config))
     patched.pop("optimizer")
     patched["zero_allow_untested_optimizer"] = True  # a client optimizer under ZeRO
@@ -154,10 +168,28 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
     return optimizer, patched, plan
 
 
+def attach_to_engine(engine) -> None:
+    """After ``deepspeed.initialize`` with a :class:`GranularOffloadOptimizer`: move host_params layers back to
+    the host (the engine moved the whole model to the device). For its own groups (host_params outside DeepSpeed's
+    optimizer): give them the zero-gradient step DeepSpeed's stage-0 unfused optimizer gave the other groups,
+    fold their gradients into DeepSpeed's global gradient norm (so that clipping and the reported norm cover the
+    whole model) and reduce them in the engine's communication dtype. Nothing to do for other optimizers."""
+    optimizer = ds_state.basic_optimizer(engine)
+    if not isinstance(optimizer, GranularOffloadOptimizer):
+        return
+    if optimizer.host_params is not None:
+        optimizer.host_params.adopt_all()
+    if optimizer.own_param_groups:
+        if ds_state.steps_when_built(engine):
+            optimizer.zero_gradient_step()
+        optimizer.global_grad_norm = ds_state.include_in_gradient_norm(engine, optimizer.own_grad_norm)
+        optimizer.communication_dtype = engine.communication_data_type
+
+
 def describe_offload_plan(plan: Optional[OffloadPlan]) -> str:
     """The plan as a table for logs (``"granular offload: off"`` for None)."""
     return "granular offload: off" if plan is None else describe_plan(plan)
 
 
-__all__ = ["build_offload_optimizer", "describe_offload_plan", "model_groups", "param_group", "adam_arguments",
+__all__ = ["build_offload_optimizer", "attach_to_engine", "describe_offload_plan", "model_groups", "param_group", "adam_arguments",
            "GranularOffloadOptimizer", "OffloadPlan", "PlacementLevel", "PlanError", "plan_placement"]

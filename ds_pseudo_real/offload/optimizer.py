@@ -19,12 +19,21 @@ Levels (``group["level"]``):
                   buffers and two side streams so a group's copy overlaps another group's host step.
   host_params     as host_optimizer, but the working params live on the host too (``HostParamStore``), so the
                   host copy of the params is the master and nothing is copied back.
+
+Under ZeRO 1/2 and bf16 DeepSpeed keeps every group of its optimizer in (flat) device copies, so host_params
+groups are given as ``own_groups`` instead: kept out of ``param_groups`` (DeepSpeed's optimizer never sees them)
+and stepped on the host by the first ``step()`` call of an optimizer step (ZeRO calls it once per group); in
+bf16 a separate fp32 master is kept there and rounded into the host params. With ``stream_gradients`` (ZeRO 1/2)
+their gradients are reduced over the data-parallel ranks here and streamed to host buffers as soon as autograd
+has accumulated them; without it (ZeRO 0, whose engine all-reduces every gradient of the model itself) they are
+copied to the host when the step begins.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
+import torch.distributed as dist
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
 from ds_pseudo_real.offload.planner import PlacementLevel
@@ -33,6 +42,8 @@ HOST = torch.device("cpu")
 # kept from the current plan when a checkpoint is loaded: ours, and DeepSpeed's MoE keys (checkpoints written
 # before expert groups existed hold the plan's group name under "name")
 _GROUP_KEYS = ("placement", "level", "moe", "name")
+OWN_GROUPS_KEY = "granular_offload_own_groups"  # the own groups' states in ``state_dict()``
+_SCHEDULED_KEYS = ("lr", "betas")  # what LR/momentum schedulers set on param_groups: own groups follow them
 
 
 def _fused_device_adam(params: List[torch.nn.Parameter], adamw_mode: bool, defaults: Dict[str, Any]):
@@ -49,18 +60,35 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
 
     ``adamw_mode`` True: decoupled weight decay (AdamW); False: L2 added to the gradient (Adam), as DeepSpeed's
     ``adam_w_mode``. ``host_params`` is the :class:`~ds_pseudo_real.offload.params.HostParamStore` of the model when
-    any group is at ``host_params``.
+    any group is at ``host_params``. ``own_groups``: host_params groups this optimizer reduces (over
+    ``reduce_group``, default the world) and steps itself, outside ``param_groups`` (see the module docstring).
     """
 
     def __init__(self, param_groups: Iterable[Dict[str, Any]], lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True, bias_correction: bool = True,
-                 pin_memory: bool = True, host_params=None):
+                 pin_memory: bool = True, host_params=None, own_groups: Iterable[Dict[str, Any]] = (),
+                 reduce_group=None, stream_gradients: bool = True, clip_grad: float = 0.0):
         groups = [dict(g) for g in param_groups]
         for g in groups:
             g["level"] = PlacementLevel(g.get("level", PlacementLevel.DEVICE)).value
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, placement=None, level=PlacementLevel.DEVICE.value)
         super().__init__(groups, defaults)
+        self.own_param_groups = [{**defaults, **g, "params": list(g["params"]),
+                                  "level": PlacementLevel.HOST_PARAMS.value} for g in own_groups]
+        if self.own_param_groups and host_params is None:
+            raise ValueError("own_groups are host_params groups: pass the HostParamStore serving them as host_params")
+        self.own_state: Dict[torch.Tensor, Dict[str, Any]] = {}
+        self._own_group_of = {p: g for g in self.own_param_groups for p in g["params"]}
+        self._reduce_group = reduce_group
+        self._streamed: Dict[torch.Tensor, Optional[Any]] = {}  # own params with a host gradient not yet stepped
+        self.peak_streamed_gradient_bytes = 0  # the largest gradient seen on the device by the streaming hook
+        self.clip_grad = clip_grad
+        self.communication_dtype: Optional[torch.dtype] = None  # the engine's, set by ``attach_to_engine``
+        # set by ``ds_state.include_in_gradient_norm``: this step's (global norm, loss scale), own gradients included
+        self.global_grad_norm: Optional[Callable[[], Any]] = None
+        self._hooks = ([p.register_post_accumulate_grad_hook(self._stream_gradient) for p in self._own_group_of]
+                       if stream_gradients else [])
         self.adamw_mode = adamw_mode
         self.host_params = host_params
         # The CPU Adam object only owns a kernel instance (opt_id, adamw mode); its own param list stays a dummy.
@@ -84,20 +112,35 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         return torch.zeros(like.shape, dtype=torch.float32, device=HOST, pin_memory=self._pin)
 
     def _master(self, p: torch.Tensor, level: str) -> torch.Tensor:
-        """The host fp32 master of ``p``: the host params themselves at host_params, else a host copy."""
+        """The host fp32 master of ``p``: the host params themselves at host_params in fp32, else a host copy (of
+        the params, or of the bf16 host params)."""
+        source = p
         if level == PlacementLevel.HOST_PARAMS.value:
-            return self.host_params.host_tensor(p)
+            source = self.host_params.host_tensor(p)
+            if source.dtype == torch.float32:
+                return source
         master = self._masters.get(p)
         if master is None:
             master = self._masters[p] = self._host_zeros(p)
-            master.copy_(p.detach())
+            master.copy_(source.detach())
         elif p in self._stale_masters:
-            master.copy_(p.detach())
+            master.copy_(source.detach())
             self._stale_masters.discard(p)
         return master
 
+    def fp32_master(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """The fp32 value this optimizer steps for an own-group param ``p`` (None for any other param)."""
+        if p not in self._own_group_of:
+            return None
+        return self._master(p, PlacementLevel.HOST_PARAMS.value)
+
+    def state_of(self, p: torch.Tensor) -> Dict[str, Any]:
+        """The optimizer state of ``p``: own-group states live outside ``self.state``, which torch's
+        ``state_dict`` packs by ``param_groups`` alone."""
+        return self.own_state.setdefault(p, {}) if p in self._own_group_of else self.state[p]
+
     def _state(self, p: torch.Tensor, on: torch.device) -> Dict[str, Any]:
-        state = self.state[p]
+        state = self.state_of(p)
         if not state:
             state["step"] = 0
             state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=on, pin_memory=self._pin and on == HOST)
@@ -172,11 +215,125 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
             torch.cuda.current_stream().wait_stream(self._h2d)
 
     @torch.no_grad()
+    def _stream_gradient(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of an own-group param: average its gradient over the data-parallel ranks on
+        the device, copy it into the host buffer (added there under gradient accumulation) and free it."""
+        grad, group = p.grad, self._own_group_of[p]
+        self.peak_streamed_gradient_bytes = max(self.peak_streamed_gradient_bytes, grad.numel() * grad.element_size())
+        world = dist.get_world_size(self._reduce_group) if dist.is_initialized() else 1
+        if world > 1:
+            grad = grad.to(self.communication_dtype or grad.dtype)  # DeepSpeed's rounding: bf16 runs reduce in bf16
+            dist.all_reduce(grad, group=self._reduce_group)
+            grad.div_(world)
+        buffer = self._grad_buffers.get(p)
+        if buffer is None:
+            buffer = self._grad_buffers[p] = self._host_zeros(p)
+        event = None
+        if p in self._streamed:  # a later micro-batch of the same optimizer step
+            self._wait_streamed(p)
+            buffer.add_(grad.to(HOST, torch.float32))
+        elif grad.is_cuda:
+            self._d2h.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._d2h):
+                buffer.copy_(grad, non_blocking=True)
+                grad.record_stream(self._d2h)  # freed below, still read by the copy
+                event = torch.cuda.Event()
+                event.record(self._d2h)
+        else:
+            buffer.copy_(grad)
+        self._streamed[p] = event
+        self._count_moved(group, buffer)
+        p.grad = None
+
+    def _collect_gradients(self) -> None:
+        """Without streaming: copy the own params' gradients (reduced by the engine) to the host and free them."""
+        if self._hooks:
+            return
+        pending = [g for g in self.own_param_groups if any(p.grad is not None for p in g["params"])]
+        for group, p, buffer, event in self._start_grad_copies(pending):
+            self._streamed[p] = event
+            p.grad = None
+
+    def _wait_streamed(self, p: torch.Tensor) -> None:
+        event = self._streamed.get(p)
+        if event is not None:
+            event.synchronize()
+            self._streamed[p] = None
+
+    def own_grad_norm(self) -> torch.Tensor:
+        """L2 norm of the own groups' gradients (averaged over the ranks), fp32 on the host."""
+        self._collect_gradients()
+        for p in list(self._streamed):
+            self._wait_streamed(p)
+        norms = [torch.linalg.vector_norm(self._grad_buffers[p]) for p in self._streamed]
+        return torch.stack(norms).pow(2).sum().sqrt() if norms else torch.zeros((), dtype=torch.float32)
+
+    def _gradient_factor(self) -> float:
+        """The factor DeepSpeed applied to its own gradients this step: 1 / (loss scale x clipping)."""
+        if self.global_grad_norm is None:
+            if self.clip_grad <= 0.0:
+                return 1.0
+            raise RuntimeError("granular_offload: host_params groups outside DeepSpeed's optimizer need the global "
+                               "gradient norm under gradient_clipping > 0; build the engine with "
+                               "ds_pseudo_real.initialize, or call ds_pseudo_real.offload.attach_to_engine(engine) "
+                               "after deepspeed.initialize")
+        norm, scale = self.global_grad_norm()
+        combined = float(scale)
+        if self.clip_grad > 0.0:
+            clip = ((float(norm) / scale) + 1e-6) / self.clip_grad  # DeepSpeed's rule: its norm is norm x scale
+            combined = clip * scale if clip > 1.0 else scale
+        return 1.0 / combined
+
+    def _own_step(self) -> None:
+        """Step every own-group param that received a gradient since the last step (once per optimizer step: the
+        streamed set is emptied here, so ZeRO's later per-group calls find nothing to do)."""
+        self._collect_gradients()
+        if self._streamed:
+            self._step_streamed(self._gradient_factor())
+
+    def zero_gradient_step(self) -> None:
+        """One step of the own groups with zero gradients: what DeepSpeed's stage-0 unfused optimizer (bf16 with a
+        client optimizer) does to every group it holds when it is built, so that all groups count the same steps
+        (and have had the same weight decay)."""
+        for p in self._own_group_of:
+            buffer = self._grad_buffers.get(p)
+            if buffer is None:
+                buffer = self._grad_buffers[p] = self._host_zeros(p)
+            buffer.zero_()
+            self._streamed[p] = None
+        self._step_streamed(1.0)
+
+    def _step_streamed(self, factor: float) -> None:
+        scheduled = self.param_groups[0]
+        for p in list(self._streamed):
+            self._wait_streamed(p)
+            group = self._own_group_of[p]
+            group.update({k: scheduled[k] for k in _SCHEDULED_KEYS if k in scheduled})
+            master = self._master(p, PlacementLevel.HOST_PARAMS.value)
+            grad = self._grad_buffers[p]
+            if factor != 1.0:
+                grad.mul_(factor)
+            self._adam_kernel(group, master, grad, self._state(p, HOST))
+            host = self.host_params.host_tensor(p)
+            if master is not host:
+                host.copy_(master)  # bf16: round the master into the host params (no device copy)
+        self._streamed.clear()
+
+    def remove_hooks(self) -> None:
+        """Take the gradient-streaming hooks and the host-param fetch hooks off the model (before a delink)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self.host_params is not None:
+            self.host_params.remove()
+
+    @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._own_step()
         host_groups = [g for g in self.param_groups if g["level"] != PlacementLevel.DEVICE.value]
         pending = self._start_grad_copies(host_groups)
         for group in self.param_groups:  # device kernels run on the device while the host steps below
@@ -186,9 +343,30 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         return loss
 
     # ----- checkpoints ---------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's state dict of ``param_groups``, plus the own groups' states and (bf16) fp32 masters in order."""
+        out = super().state_dict()
+        if self.own_param_groups:
+            out[OWN_GROUPS_KEY] = [
+                {"placement": g["placement"], "numels": [p.numel() for p in g["params"]],
+                 "names": g.get("param_names"),
+                 "states": [self.own_state.get(p, {}) for p in g["params"]],
+                 "masters": [None if p in self._stale_masters else self._masters.get(p) for p in g["params"]]}
+                for g in self.own_param_groups]
+        return out
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load states saved by any plan: the current plan's group keys are kept, host states go back to the
-        host (torch moves every state onto its param's device) and the host masters are re-read from the params."""
+        """Load states saved by any plan with the same host_params groups: the current plan's group keys are kept,
+        host states go back to the host (torch moves every state onto its param's device) and the host masters are
+        re-read from the params (own groups' bf16 masters: restored as saved)."""
+        state_dict = dict(state_dict)
+        own = state_dict.pop(OWN_GROUPS_KEY, [])
+        layout = [(g["placement"], [p.numel() for p in g["params"]]) for g in self.own_param_groups]
+        if [(g["placement"], g["numels"]) for g in own] != layout:
+            raise ValueError(f"optimizer checkpoint: its granular offload host_params groups "
+                             f"{[g['placement'] for g in own]} (outside DeepSpeed's optimizer, ZeRO >= 1 or bf16) "
+                             f"differ from this plan's {[name for name, _ in layout]}; load it with the plan it was "
+                             f"saved with, or load the module weights only")
         placement = [{k: g[k] for k in _GROUP_KEYS if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
         for group, keep in zip(self.param_groups, placement):
@@ -199,7 +377,17 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                 if self.state.get(p):
                     self._place_state(self.state[p], p, group["level"])
         self.refresh_host_masters()
-        steps = [st["step"] for st in self.state.values() if isinstance(st.get("step"), int)]
+        for group, saved in zip(self.own_param_groups, own):
+            for p, state, master in zip(group["params"], saved["states"], saved["masters"]):
+                if state:
+                    self.own_state[p] = dict(state)
+                    self._place_state(self.own_state[p], p, group["level"])
+                if master is not None:
+                    self._master(p, group["level"]).copy_(master)
+                    self._stale_masters.discard(p)
+        self._streamed.clear()
+        states = list(self.state.values()) + list(self.own_state.values())
+        steps = [st["step"] for st in states if isinstance(st.get("step"), int)]
         self._replay_kernel_steps(max(steps, default=0))
 
     def _place_state(self, state: Dict[str, Any], p: torch.Tensor, level: str) -> None:
@@ -256,17 +444,17 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
     def held_bytes_by_group(self) -> Dict[str, Dict[str, int]]:
         """``held_bytes`` of each group, keyed by its ``placement`` (groups sharing one are summed)."""
         out: Dict[Any, Dict[str, int]] = {}
-        for group in self.param_groups:
+        for group in self.param_groups + self.own_param_groups:
             held = out.setdefault(group["placement"], {"device": 0, "host": 0})
             where = "device" if group["level"] == PlacementLevel.DEVICE.value else "host"
             for p in group["params"]:
-                state = self.state.get(p) or {}
+                state = (self.own_state if p in self._own_group_of else self.state).get(p) or {}
                 held[where] += sum(t.numel() * t.element_size() for k, t in state.items() if torch.is_tensor(t)
                                    and k in ("exp_avg", "exp_avg_sq"))
                 if where == "host":
-                    master = (self.host_params.host_tensor(p) if group["level"] == PlacementLevel.HOST_PARAMS.value
-                              else self._masters.get(p))
-                    for tensor in (master, self._grad_buffers.get(p)):
+                    host = (self.host_params.host_tensor(p) if group["level"] == PlacementLevel.HOST_PARAMS.value
+                            else None)
+                    for tensor in (host, self._masters.get(p), self._grad_buffers.get(p)):
                         if tensor is not None:
                             held["host"] += tensor.numel() * tensor.element_size()
         return out

@@ -1,9 +1,10 @@
 """Host-resident working parameters for the ``host_params`` level: module hooks that fetch a layer's parameters
 to the device just before its forward and its backward (prefetching the next layer) and release them after.
 
-Owns: the host copy of each such parameter (which is also the optimizer's fp32 master) and the device buffers.
-Must not step or plan. Written against torch 2.x module hooks; needs fp32 with ZeRO stage 0, where DeepSpeed
-0.19.8 leaves the model's Parameters as they are (ZeRO 1/2 and the bf16 optimizer keep a flat device copy).
+Owns: the host copy of each such parameter (in fp32 also the optimizer's master) and the device buffers.
+Must not step or plan. Written against torch 2.x module hooks and DeepSpeed 0.19.8, which leaves the Parameters it
+does not optimize as they are: under ZeRO 1/2 and the bf16 optimizer these layers' parameters are kept out of
+DeepSpeed's optimizer (``GranularOffloadOptimizer`` own groups); fp32 ZeRO 0 never flattens them.
 
 Between uses ``p.data`` is the host tensor, so ``state_dict``, ``load_state_dict`` and DeepSpeed's initial
 broadcast read and write the host copy. Autograd saves a leaf Parameter itself, not its storage, so re-fetching
@@ -64,14 +65,23 @@ class HostParamStore:
         return self._host[p]
 
     def _adopt(self, params: List[nn.Parameter]) -> None:
-        """Something replaced ``p.data`` since the last release (the engine moving the model to the device):
-        take its value as the host copy and point ``p`` back at the host."""
+        """Something replaced ``p.data`` since the last release (the engine moving the model to the device, or
+        casting it to bf16): take its value, in its dtype, as the host copy and point ``p`` back at the host."""
         live = {t.data_ptr() for tensors, _ in self._buffers.values() for t in tensors}
         for p in params:
             host = self._host[p]
             if p.data.data_ptr() != host.data_ptr() and p.data.data_ptr() not in live:
+                if host.dtype != p.dtype:
+                    host = self._host[p] = torch.empty(p.shape, dtype=p.dtype, device="cpu",
+                                                       pin_memory=host.is_pinned())
                 host.copy_(p.detach())
                 p.data = host
+
+    def adopt_all(self) -> None:
+        """Take back every parameter the engine replaced while it was built (moved to the device, cast to bf16),
+        so that the device copies are freed now and the host copies hold the values training starts from."""
+        for params in self._entries:
+            self._adopt(params)
 
     def _fetch(self, k: int) -> None:
         if k in self._buffers or not 0 <= k < len(self._entries):

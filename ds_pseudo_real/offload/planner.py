@@ -6,8 +6,9 @@ Must not import torch, DeepSpeed or Megatron: the CLI plans M6-10T-sized models 
 
 Byte model (per rank, written against DeepSpeed 0.19.8 ``stage_1_and_2.py`` / ``bf16_optimizer.py``):
   n = the group's parameter elements; w = working dtype bytes (4 fp32, 2 bf16); D = data-parallel size;
-  m = the optimizer's partition of the group: n under ZeRO 0 in fp32 (the optimizer steps the model's params),
-      else ceil(n / 2D) * 2 (DeepSpeed pads each flat group to a multiple of 2 * D, then splits it D ways).
+  m = the optimizer's partition of the group: n under ZeRO 0 (in fp32 the optimizer steps the model's params; in
+      bf16 DeepSpeed's stage-0 unfused optimizer keeps a full fp32 copy of each), else ceil(n / 2D) * 2 (DeepSpeed
+      pads each flat group to a multiple of 2 * D, then splits it D ways).
   DeepSpeed-owned, every level: working params n*w (on the host for HOST_PARAMS), gradients n*w (m*w under ZeRO 2),
       and under ZeRO >= 1 or bf16 its own fp32 partition 4*m on the device.
   Optimizer-owned (what GranularOffloadOptimizer holds): Adam moments 8*m, on the device for DEVICE; for the host
@@ -16,6 +17,12 @@ Byte model (per rank, written against DeepSpeed 0.19.8 ``stage_1_and_2.py`` / ``
   Moved per step: HOST_OPTIMIZER gradient D2H 4*m + updated master H2D 4*m; HOST_PARAMS gradient D2H 4*n +
       params H2D twice (forward and backward fetch) 2*n*w per layer using them, and a device buffer for two layers'
       params (the fetched one and the prefetched next).
+  HOST_PARAMS where DeepSpeed keeps its own copies (ZeRO 1/2, bf16): the group is left out of DeepSpeed's
+      optimizer (its flat buffers would pin the params to the device). Under ZeRO 1/2 the offload optimizer reduces
+      its gradients itself, streaming each to the host as soon as it is accumulated: nothing of it stays on the
+      device but the prefetch buffer and the gradients of one layer in flight. At stage 0 (bf16) the engine
+      all-reduces them, so the gradients n*w stay on the device until the step. The host holds params n*w, a
+      separate fp32 master 4*n when w != 4, a gradient buffer 4*n and moments 8*n (not partitioned).
 """
 from __future__ import annotations
 
@@ -106,11 +113,15 @@ class TrainingSetup:
         return self.zero_stage >= 1 or self.dtype != "fp32"
 
     @property
-    def supports_host_params(self) -> bool:
-        """ZeRO 1/2 and the bf16 optimizer keep every group's params in one flat device buffer that a layer's
-        params cannot leave; only fp32 ZeRO 0 leaves the model's Parameters as they are."""
-        return not self.has_separate_master
+    def host_params_outside_deepspeed(self) -> bool:
+        """HOST_PARAMS groups are stepped and reduced by the offload optimizer, outside DeepSpeed's flat groups."""
+        return self.has_separate_master
 
+    @property
+    def streams_gradients(self) -> bool:
+        """HOST_PARAMS gradients leave the device as soon as they are accumulated (ZeRO 1/2; at stage 0 the engine
+        all-reduces every gradient of the model after the backward, so they stay there until the step)."""
+        return self.host_params_outside_deepspeed and self.zero_stage >= 1
 
 class GroupBytes(NamedTuple):
     """Per-rank bytes of one group at one level."""
@@ -124,7 +135,7 @@ class GroupBytes(NamedTuple):
 
 def partition_numel(numel: int, setup: TrainingSetup, dp_size: Optional[int] = None) -> int:
     """Elements of the flat fp32 partition the optimizer steps on this rank (DeepSpeed's padding rule)."""
-    if not setup.has_separate_master:
+    if setup.zero_stage == 0:
         return numel
     dp = dp_size or setup.dp_size
     alignment = 2 * dp
@@ -146,11 +157,11 @@ def group_bytes(numel: int, level: PlacementLevel, setup: TrainingSetup, uses: i
     if level is PlacementLevel.HOST_OPTIMIZER:
         host = 2 * FP32 * m + moments
         return GroupBytes(params + grads + ds_master, host, 2 * FP32 * m, 0, host)
-    if not setup.supports_host_params:
-        raise PlanError(
-            f"granular_offload level 'host_params' needs fp32 with zero_optimization.stage 0 "
-            f"(got dtype={setup.dtype!r}, stage={setup.zero_stage}); accepted levels here: 'device', 'host_optimizer'"
-        )
+    if setup.host_params_outside_deepspeed:
+        separate_master = FP32 * numel if w != FP32 else 0
+        host = params + separate_master + FP32 * numel + ADAM_STATES * FP32 * numel
+        device = 0 if setup.streams_gradients else numel * w
+        return GroupBytes(device, host, FP32 * numel + 2 * params * uses, 0, host)
     host = params + FP32 * m + moments  # fp32 ZeRO 0: the host params are the master
     return GroupBytes(grads, host, FP32 * numel + 2 * params * uses, 0, host)
 
@@ -178,9 +189,18 @@ class OffloadPlan:
         return sum(sizes[:2]) * self.setup.working_bytes
 
     @property
+    def streamed_gradient_bytes(self) -> int:
+        """Device bytes of host_params gradients streamed to the host (outside DeepSpeed's groups): at most one
+        layer's gradients are on the device before their hooks move them."""
+        if not self.setup.streams_gradients:
+            return 0
+        sizes = [p.group.numel for p in self.placements if p.level is PlacementLevel.HOST_PARAMS]
+        return max(sizes, default=0) * self.setup.working_bytes
+
+    @property
     def device_bytes(self) -> int:
         return (sum(p.bytes.device for p in self.placements) + self.prefetch_buffer_bytes
-                + self.setup.activation_bytes + self.setup.reserved_bytes)
+                + self.streamed_gradient_bytes + self.setup.activation_bytes + self.setup.reserved_bytes)
 
     @property
     def host_bytes(self) -> int:
@@ -237,8 +257,6 @@ def plan_placement(groups: Sequence[GroupSize], setup: TrainingSetup, budget_byt
     same size, which is the case this plugin serves. Raises :class:`PlanError` saying how much is missing.
     """
     allowed = LEVEL_ORDER[: LEVEL_ORDER.index(PlacementLevel(max_level)) + 1]
-    if not setup.supports_host_params and PlacementLevel.HOST_PARAMS in allowed:
-        allowed.remove(PlacementLevel.HOST_PARAMS)
     levels = {g.name: PlacementLevel.DEVICE for g in groups}
     plan = place(groups, levels, setup, budget_bytes)
     while not plan.fits():
@@ -360,7 +378,8 @@ def describe_plan(plan: OffloadPlan) -> str:
     lines.append(
         f"groups per level: {counts}; device total {format_bytes(plan.device_bytes)} ({plan.device_bytes} B) "
         f"(activations {format_bytes(s.activation_bytes)}, reserved {format_bytes(s.reserved_bytes)}, "
-        f"prefetch buffer {format_bytes(plan.prefetch_buffer_bytes)}); host total {format_bytes(plan.host_bytes)}; "
+        f"prefetch buffer {format_bytes(plan.prefetch_buffer_bytes)}, streamed gradients "
+        f"{format_bytes(plan.streamed_gradient_bytes)}); host total {format_bytes(plan.host_bytes)}; "
         f"moved per step {format_bytes(plan.moved_bytes_per_step)}"
     )
     return "\n".join(lines)

@@ -5,8 +5,9 @@ CASE = delink:STAGE:PSEUDO_LEVELS:REAL_LEVELS[:PSEUDO_EXPERTS:REAL_EXPERTS] trai
 delinks it in the same process and trains the real model, each with its own plan (with expert letters: the MoE
 model, ep_size 1). CASE = moe:STAGE:EP_SIZE:LEVELS:EXPERT_LEVELS trains
 the MoE model (fp32, experts over EP_SIZE ranks) with EXPERT_LEVELS one letter per layer's experts. Otherwise
-CASE = STAGE:DTYPE:LEVELS[:GROUPS], LEVELS one letter per parameter-owning layer then one for the rest: d device,
-o host_optimizer, p host_params; e.g. 2:fp32:dodoo. GROUPS: train the pseudo model whose 4 layers share GROUPS sets.
+CASE = STAGE:DTYPE:LEVELS[:GROUPS][@clipC], LEVELS one letter per parameter-owning layer then one for the rest:
+d device, o host_optimizer, p host_params; e.g. 2:fp32:dodoo. GROUPS: train the pseudo model whose 4 layers share
+GROUPS sets. @clipC sets gradient_clipping to C (default: DeepSpeed's, 1.0).
 Results: losses of the reference (same Adam kernel, no offload) and of the granular run, the bytes held and moved
 against the plan (in total and per group), and a checkpoint save/load trajectory check.
 """
@@ -22,7 +23,9 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_model import TinyLM, batch  # noqa: E402
 
-from ds_pseudo_real.offload import PlacementLevel, build_offload_optimizer, model_groups, param_group  # noqa: E402
+from ds_pseudo_real.offload import (  # noqa: E402
+    PlacementLevel, attach_to_engine, build_offload_optimizer, model_groups, param_group,
+)
 from ds_pseudo_real.sharing import apply_sharing, delink_layers  # noqa: E402
 
 LETTERS = {"d": "device", "o": "host_optimizer", "p": "host_params"}
@@ -30,15 +33,17 @@ ADAM = {"lr": 1e-2, "weight_decay": 0.01, "betas": [0.9, 0.99], "eps": 1e-8}
 STEPS = 4
 
 
-def ds_config(stage, dtype):
+def ds_config(stage, dtype, clipping=None):
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
               "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": ADAM}}
+    if clipping is not None:
+        config["gradient_clipping"] = clipping
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     return config
 
 
-def train(engine, rank, first, count):
+def train(engine, rank, first, count, norms=None):
     losses = []
     for step in range(first, first + count):
         x, y = batch(step, rank)
@@ -46,6 +51,9 @@ def train(engine, rank, first, count):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        if norms is not None:
+            norm = engine.get_global_grad_norm()  # None where DeepSpeed does not compute it (fp32 ZeRO 0)
+            norms.append(None if norm is None else float(norm))
     return losses
 
 
@@ -84,9 +92,9 @@ def make_model(groups, ep_size=None):
     return apply_sharing(model, "layers", groups) if groups else model
 
 
-def reference(stage, dtype, groups, rank, ep_size=None, world_size=1):
+def reference(stage, dtype, groups, rank, ep_size=None, world_size=1, clipping=None):
     model = make_model(groups, ep_size)
-    config = {k: v for k, v in ds_config(stage, dtype).items() if k != "optimizer"}
+    config = {k: v for k, v in ds_config(stage, dtype, clipping).items() if k != "optimizer"}
     config.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
     # the same per-layer groups as the granular run (experts marked for DeepSpeed's MoE): ZeRO 1/2 flatten and
     # partition per group, and with one group instead the ZeRO 1 weights on 2 ranks came out different in the
@@ -95,28 +103,33 @@ def reference(stage, dtype, groups, rank, ep_size=None, world_size=1):
                                                                                            world_size))]
     optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **ADAM)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    losses = train(engine, rank, 0, STEPS)
+    norms = []
+    losses = train(engine, rank, 0, STEPS, norms)
     params = flat_params(engine)
     engine.destroy()
-    return losses, params
+    return losses, params, norms
 
 
-def granular(stage, dtype, levels, groups, world_size, ep_size=None):
+def granular(stage, dtype, levels, groups, world_size, ep_size=None, clipping=None):
     model = make_model(groups, ep_size)
-    config = ds_config(stage, dtype)
+    config = ds_config(stage, dtype, clipping)
     config["granular_offload"] = {"levels": levels}
     optimizer, patched, plan = build_offload_optimizer(model, config, "layers", world_size)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
+    attach_to_engine(engine)
     return engine, optimizer, plan
 
 
 def run_case(case, rank, world_size, checkpoint_dir):
-    stage, dtype, levels, groups, ep_size = parse(case)
-    ref_losses, ref_params = reference(stage, dtype, groups, rank, ep_size, world_size)
-    engine, optimizer, plan = granular(stage, dtype, levels, groups, world_size, ep_size)
-    losses = train(engine, rank, 0, STEPS - 1)
+    body, _, clip = case.partition("@clip")
+    clipping = float(clip) if clip else None
+    stage, dtype, levels, groups, ep_size = parse(body)
+    ref_losses, ref_params, ref_norms = reference(stage, dtype, groups, rank, ep_size, world_size, clipping)
+    engine, optimizer, plan = granular(stage, dtype, levels, groups, world_size, ep_size, clipping)
+    norms = []
+    losses = train(engine, rank, 0, STEPS - 1, norms)
     before, before_by_group = moved_bytes(optimizer), dict(optimizer.moved_bytes_by_group)
-    losses += train(engine, rank, STEPS - 1, 1)
+    losses += train(engine, rank, STEPS - 1, 1, norms)
     moved = moved_bytes(optimizer) - before
     moved_by_group = {k: v - before_by_group.get(k, 0) for k, v in optimizer.moved_bytes_by_group.items()}
     params = flat_params(engine)
@@ -129,15 +142,16 @@ def run_case(case, rank, world_size, checkpoint_dir):
     engine.load_checkpoint(path, tag="t")
     after_reload = train(engine, rank, STEPS, 2)
     engine.destroy()
-    if optimizer.host_params:
-        optimizer.host_params.remove()
-    engine, optimizer, _ = granular(stage, dtype, levels, groups, world_size, ep_size)
+    optimizer.remove_hooks()
+    engine, optimizer, _ = granular(stage, dtype, levels, groups, world_size, ep_size, clipping)
     engine.load_checkpoint(path, tag="t")
     after_load = train(engine, rank, STEPS, 2)
     engine.destroy()
     return {
         "case": case, "rank": rank, "ref_losses": ref_losses, "losses": losses,
+        "ref_norms": ref_norms, "norms": norms, "clipping": clipping,
         "params_equal": bool(torch.equal(ref_params, params)),
+        "params_max_diff": float((ref_params - params).abs().max()),
         "levels": plan.levels(),
         "held": held, "moved": moved, "held_by_group": held_by_group, "moved_by_group": moved_by_group,
         "plan": {"device": plan.optimizer_device_bytes, "host": plan.optimizer_host_bytes,
@@ -145,8 +159,11 @@ def run_case(case, rank, world_size, checkpoint_dir):
         "plan_by_group": {p.group.name: {"device": p.bytes.optimizer_device, "host": p.bytes.optimizer_host,
                                          "moved": p.bytes.moved_per_step, "numel": p.group.numel}
                           for p in plan.placements},
+        "plan_placements": [{"name": p.group.name, "device": p.bytes.device} for p in plan.placements],
         "peak_buffer": optimizer.host_params.peak_buffered_bytes if optimizer.host_params else 0,
         "plan_buffer": plan.prefetch_buffer_bytes,
+        "peak_streamed": optimizer.peak_streamed_gradient_bytes, "plan_streamed": plan.streamed_gradient_bytes,
+        "own_groups": [g["placement"] for g in optimizer.own_param_groups],
         "after_save": after_save, "after_reload": after_reload, "after_load": after_load,
     }
 
@@ -165,13 +182,13 @@ def run_delink(case, rank, world_size):
     with torch.no_grad():
         pseudo_loss = engine(*batch(2, rank)).item()
     engine.destroy()
-    if optimizer.host_params:
-        optimizer.host_params.remove()
+    optimizer.remove_hooks()
     delink_layers(model, "layers")
     config = ds_config(stage, "fp32")
     config["granular_offload"] = {"levels": real_levels}
     optimizer, patched, plan = build_offload_optimizer(model, config, "layers", world_size)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
+    attach_to_engine(engine)
     real_losses = train(engine, rank, 2, 2)
     before = moved_bytes(optimizer)
     train(engine, rank, 4, 1)

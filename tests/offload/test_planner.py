@@ -26,7 +26,8 @@ def test_partition_follows_deepspeed_padding():
     assert partition_numel(1001, TrainingSetup("fp32", 2, 4)) == 252
     assert partition_numel(1000, TrainingSetup("fp32", 1, 2)) == 500
     assert partition_numel(1001, TrainingSetup("fp32", 1, 1)) == 1002
-    assert partition_numel(1001, TrainingSetup("bf16", 0, 1)) == 1002  # bf16 optimizer: flat fp32 partition too
+    # bf16 at stage 0: DeepSpeed's unfused optimizer keeps one fp32 copy per param, on every rank
+    assert partition_numel(1001, TrainingSetup("bf16", 0, 2)) == 1001
     assert partition_numel(1001, FP32_Z0) == 1001
 
 
@@ -35,8 +36,28 @@ def test_group_bytes_bf16_zero2_dp4():
     # m=252: params 1001*2, grads 252*2, DeepSpeed fp32 partition 4*252, moments 8*252
     assert group_bytes(1001, L.DEVICE, setup) == (2002 + 504 + 1008 + 2016, 0, 0, 2016, 0)
     assert group_bytes(1001, L.HOST_OPTIMIZER, setup) == (2002 + 504 + 1008, 2 * 1008 + 2016, 2016, 0, 4032)
-    with pytest.raises(PlanError, match="host_params.*stage 0.*got dtype='bf16', stage=2"):
-        group_bytes(1001, L.HOST_PARAMS, setup)
+    # host_params outside DeepSpeed's optimizer, not partitioned: nothing on the device (gradients streamed
+    # off); the host holds bf16 params 2002, an fp32 master 4004, a gradient buffer 4004 and moments 8008; per
+    # step the fp32 gradient comes out (4004) and the params go in for the forward and the backward (2 * 2002)
+    assert group_bytes(1001, L.HOST_PARAMS, setup) == (0, 18018, 8008, 0, 18018)
+
+
+def test_host_params_outside_deepspeed_at_stage0_keeps_gradients():
+    # bf16 ZeRO 0: the engine all-reduces every gradient after the backward, so they stay on the device (2002)
+    setup = TrainingSetup("bf16", 0, 2)
+    assert setup.host_params_outside_deepspeed and not setup.streams_gradients
+    assert group_bytes(1001, L.HOST_PARAMS, setup) == (2002, 18018, 8008, 0, 18018)
+    assert not FP32_Z0.host_params_outside_deepspeed
+
+
+def test_streamed_gradients_take_one_layer_on_the_device():
+    groups = [GroupSize(f"layer{i}", 1000, i) for i in range(3)] + [GroupSize("other", 500)]
+    zero1 = TrainingSetup("fp32", 1, 1)
+    plan = place(groups, {"layer1": L.HOST_PARAMS, "layer2": L.HOST_PARAMS}, zero1)
+    assert plan.streamed_gradient_bytes == 4000 and plan.prefetch_buffer_bytes == 8000
+    # layer0 and other at the device (ZeRO 1, one rank: params, grads, fp32 partition, moments), plus the buffers
+    assert plan.device_bytes == 1000 * 20 + 500 * 20 + 8000 + 4000
+    assert place(groups, {"layer1": L.HOST_PARAMS}, FP32_Z0).streamed_gradient_bytes == 0
 
 
 GROUPS = [GroupSize(f"layer{i}", 1000, i) for i in range(4)] + [GroupSize("other", 500)]
