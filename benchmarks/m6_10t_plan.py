@@ -6,8 +6,10 @@ in 80 prototypes; vocabulary and sequence length are choices), the byte model an
 planner's (``ds_pseudo_real.offload.planner``). Per GPU: each layer owns its experts / EP plus its dense part
 (attention, norms, router), which is counted on every GPU and partitioned by ZeRO only over the D = world / EP
 ranks that hold the same experts (conservative for the dense part: 14.7M of a layer's 424M per GPU at EP 512).
-The planner keeps each layer's gradients on the device at every level. V100s have no bf16:
-"bf16" stands for 16-bit weights (fp16 costs the same bytes).
+Groups are those the offload optimizer builds for a DeepSpeed MoE model: each layer's dense part and its experts
+apart. At host_params under ZeRO 1/2 a layer's gradients are streamed off the device; under ZeRO 1/2 one layer's
+experts stay in DeepSpeed's optimizer (it needs an MoE group). V100s have no bf16: "bf16" stands for 16-bit
+weights (fp16 costs the same bytes).
 
     python benchmarks/m6_10t_plan.py           # a few seconds; writes benchmarks/results/m6_10t_plan.json
 """
@@ -36,17 +38,17 @@ def meta_counts(arch, groups: Optional[int]) -> int:
 
 def plan_row(arch, stage: str, expert_parallel: int, world: int, dtype: str, zero: int, budget: int, reserved: int,
              micro_batch: int) -> Dict:
-    from ds_pseudo_real.moe.architecture import embedding_parameters, layer_parameter_counts
+    from ds_pseudo_real.moe.architecture import (
+        dense_parameters_per_layer, embedding_parameters, expert_parameters_per_layer,
+    )
     from ds_pseudo_real.offload.planner import (
-        PlacementLevel, PlanError, TrainingSetup, estimate_activation_bytes, layer_groups, place, plan_placement,
+        PlacementLevel, PlanError, TrainingSetup, estimate_activation_bytes, place, plan_placement, uniform_groups,
     )
 
-    groups_arg = 1 if stage == "pseudo" else None
-    counts = layer_parameter_counts(arch, groups_arg, expert_parallel)
-    uses = [arch.num_layers if stage == "pseudo" else 1] * len(counts)
-    owned = [(n, u) for n, u in zip(counts, uses) if n]
-    groups = layer_groups([n for n, _ in owned], embedding_parameters(arch), [u for _, u in owned])
     dp = world // expert_parallel
+    # as the offload optimizer groups a DeepSpeed MoE model: each layer's dense part, then its experts
+    groups = uniform_groups(arch.num_layers, dense_parameters_per_layer(arch), embedding_parameters(arch),
+                            1 if stage == "pseudo" else None, expert_parameters_per_layer(arch, expert_parallel), dp)
     activation = estimate_activation_bytes(micro_batch, arch.seq_length, arch.hidden_size, arch.num_heads,
                                            arch.num_layers, dtype, checkpointing=True)
     setup = TrainingSetup(dtype, zero, dp, activation, reserved)
@@ -65,11 +67,10 @@ def plan_row(arch, stage: str, expert_parallel: int, world: int, dtype: str, zer
         )
     except PlanError as error:
         # the furthest placement the planner allows, to say how far from the budget it is
-        furthest = PlacementLevel.HOST_PARAMS
-        floor = place(groups, {g.name: (furthest if g.fetchable else PlacementLevel.HOST_OPTIMIZER) for g in groups},
-                      setup, budget)
+        floor = error.plan
         row.update(granular_fits=False, device_bytes=floor.device_bytes, host_bytes=floor.host_bytes,
-                   moved_bytes_per_step=floor.moved_bytes_per_step, levels={furthest.value: "all layers"},
+                   moved_bytes_per_step=floor.moved_bytes_per_step,
+                   levels={lvl.value: sum(p.level is lvl for p in floor.placements) for lvl in PlacementLevel},
                    error=str(error))
     return row
 

@@ -257,3 +257,10 @@ def steps_when_built(engine) -> bool:
     optimizer = engine.optimizer
     return hasattr(optimizer, "initialize_optimizer_states") and hasattr(optimizer, "fp32_groups") \
         and not hasattr(optimizer, "bf16_groups")
+
+
+def expert_data_parallel_group(name: str):
+    """The process group DeepSpeed averages the gradients of expert group ``name`` over."""
+    from deepspeed.utils import groups
+
+    return groups._get_expert_data_parallel_group(name)

@@ -220,11 +220,14 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         the device, copy it into the host buffer (added there under gradient accumulation) and free it."""
         grad, group = p.grad, self._own_group_of[p]
         self.peak_streamed_gradient_bytes = max(self.peak_streamed_gradient_bytes, grad.numel() * grad.element_size())
-        world = dist.get_world_size(self._reduce_group) if dist.is_initialized() else 1
-        if world > 1:
+        if dist.is_initialized() and dist.get_world_size(self._reduce_group) > 1:
             grad = grad.to(self.communication_dtype or grad.dtype)  # DeepSpeed's rounding: bf16 runs reduce in bf16
-            dist.all_reduce(grad, group=self._reduce_group)
-            grad.div_(world)
+            # DeepSpeed's averaging (0.19.8 ZeRO ``average_tensor``): summed over the ranks holding the same
+            # parameters (for experts, their expert-data-parallel group), divided by the data-parallel size
+            sum_group = self._sum_group_of(group)
+            if dist.get_world_size(sum_group) > 1:
+                dist.all_reduce(grad, group=sum_group)
+            grad.div_(dist.get_world_size(self._reduce_group))
         buffer = self._grad_buffers.get(p)
         if buffer is None:
             buffer = self._grad_buffers[p] = self._host_zeros(p)
@@ -245,6 +248,14 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         self._count_moved(group, buffer)
         p.grad = None
 
+    def _sum_group_of(self, group: Dict[str, Any]):
+        """The ranks a group's gradients are summed over: its expert-data-parallel group for MoE experts."""
+        if group.get("moe"):
+            from ds_pseudo_real.ds_state import expert_data_parallel_group
+
+            return expert_data_parallel_group(group["name"])
+        return self._reduce_group
+
     def _collect_gradients(self) -> None:
         """Without streaming: copy the own params' gradients (reduced by the engine) to the host and free them."""
         if self._hooks:
@@ -261,12 +272,29 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
             self._streamed[p] = None
 
     def own_grad_norm(self) -> torch.Tensor:
-        """L2 norm of the own groups' gradients (averaged over the ranks), fp32 on the host."""
+        """L2 norm of the own groups' gradients (averaged over the ranks), fp32 on the host.
+
+        Experts count as DeepSpeed counts its expert groups: the squares of every rank's experts summed over the
+        data-parallel ranks (each expert once: divided by its expert-data-parallel replicas). A collective when
+        there are own expert groups: call it on every rank."""
         self._collect_gradients()
         for p in list(self._streamed):
             self._wait_streamed(p)
-        norms = [torch.linalg.vector_norm(self._grad_buffers[p]) for p in self._streamed]
-        return torch.stack(norms).pow(2).sum().sqrt() if norms else torch.zeros((), dtype=torch.float32)
+        squares = {False: torch.zeros((), dtype=torch.float32), True: torch.zeros((), dtype=torch.float32)}
+        for p in self._streamed:
+            group = self._own_group_of[p]
+            square = torch.linalg.vector_norm(self._grad_buffers[p]).pow(2)
+            if group.get("moe") and dist.is_initialized():
+                square = square / dist.get_world_size(self._sum_group_of(group))
+            squares[bool(group.get("moe"))] += square
+        if any(g.get("moe") for g in self.own_param_groups) and dist.is_initialized():
+            experts = squares[True].to(self._collective_device())
+            dist.all_reduce(experts, group=self._reduce_group)
+            squares[True] = experts.to(HOST)
+        return (squares[False] + squares[True]).sqrt()
+
+    def _collective_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self._cuda else HOST
 
     def _gradient_factor(self) -> float:
         """The factor DeepSpeed applied to its own gradients this step: 1 / (loss scale x clipping)."""

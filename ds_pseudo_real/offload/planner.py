@@ -80,9 +80,8 @@ class GroupSize:
 
     @property
     def fetchable(self) -> bool:
-        """Can live at HOST_PARAMS: the fetch hooks and the prefetch buffer model serve a layer's dense
-        parameters only (an expert group's fetch would share its layer's hooks and buffer)."""
-        return self.is_layer and not self.is_experts
+        """Can live at HOST_PARAMS: the fetch hooks are the layers' (a layer's experts are fetched with it)."""
+        return self.is_layer
 
 
 @dataclass(frozen=True)
@@ -181,12 +180,23 @@ class OffloadPlan:
     budget_bytes: Optional[int]
     placements: List[GroupPlacement] = field(default_factory=list)
 
+    def _fetched_layers(self) -> List[int]:
+        """Elements fetched per layer that has host_params groups (its dense part and its experts together),
+        once for each layer a shared set serves, up to the two the buffer can hold."""
+        per_layer: Dict[int, List[GroupPlacement]] = {}
+        for p in self.placements:
+            if p.level is PlacementLevel.HOST_PARAMS:
+                per_layer.setdefault(p.group.index, []).append(p)
+        sizes = []
+        for placements in per_layer.values():
+            uses = min(max(p.group.uses for p in placements), 2)  # a shared set: two layers' copies
+            sizes += [sum(p.group.numel for p in placements)] * uses
+        return sorted(sizes, reverse=True)
+
     @property
     def prefetch_buffer_bytes(self) -> int:
         """Device buffer for host-resident params: the fetched layer and the prefetched next one."""
-        sizes = sorted((p.group.numel for p in self.placements if p.level is PlacementLevel.HOST_PARAMS
-                        for _ in range(min(p.group.uses, 2))), reverse=True)  # a shared set: two layers' copies
-        return sum(sizes[:2]) * self.setup.working_bytes
+        return sum(self._fetched_layers()[:2]) * self.setup.working_bytes
 
     @property
     def streamed_gradient_bytes(self) -> int:
@@ -194,8 +204,7 @@ class OffloadPlan:
         layer's gradients are on the device before their hooks move them."""
         if not self.setup.streams_gradients:
             return 0
-        sizes = [p.group.numel for p in self.placements if p.level is PlacementLevel.HOST_PARAMS]
-        return max(sizes, default=0) * self.setup.working_bytes
+        return max(self._fetched_layers(), default=0) * self.setup.working_bytes
 
     @property
     def device_bytes(self) -> int:
@@ -235,13 +244,19 @@ def place(groups: Sequence[GroupSize], levels: Mapping[str, PlacementLevel], set
           budget_bytes: Optional[int] = None) -> OffloadPlan:
     """The plan for explicitly chosen levels (a group missing from ``levels`` stays on the device)."""
     plan = OffloadPlan(setup, budget_bytes)
+    experts = [g for g in groups if g.is_experts]
+    if setup.host_params_outside_deepspeed and experts and all(
+            PlacementLevel(levels.get(g.name, PlacementLevel.DEVICE)) is PlacementLevel.HOST_PARAMS for g in experts):
+        raise PlanError(f"granular_offload.levels: every layer's experts at 'host_params' under ZeRO stage "
+                        f"{setup.zero_stage}, {setup.dtype}, where they are stepped outside DeepSpeed's optimizer; "
+                        f"DeepSpeed 0.19.8 needs one MoE param group in its own optimizer: put one layer's experts "
+                        f"(e.g. '{experts[0].name[len('layer'):]}') at 'device' or 'host_optimizer'")
     for group in groups:
         level = PlacementLevel(levels.get(group.name, PlacementLevel.DEVICE))
         if level is PlacementLevel.HOST_PARAMS and not group.fetchable:
-            kind = "MoE experts" if group.is_experts else "parameters outside the layers"
-            raise PlanError(f"granular_offload.levels.{group.name}: 'host_params' is for a layer's dense parameters "
-                            f"only (fetched by layer hooks), not for {kind}; accepted for {group.name!r}: 'device', "
-                            f"'host_optimizer'")
+            raise PlanError(f"granular_offload.levels.{group.name}: 'host_params' is for the layers' parameters "
+                            f"(fetched by layer hooks), not for parameters outside the layers; accepted for "
+                            f"{group.name!r}: 'device', 'host_optimizer'")
         plan.placements.append(GroupPlacement(group, level, group_bytes(group.numel, level, setup, group.uses,
                                                                               group.dp_size)))
     return plan
@@ -268,7 +283,10 @@ def plan_placement(groups: Sequence[GroupSize], setup: TrainingSetup, budget_byt
             nxt = allowed[order + 1]
             if nxt is PlacementLevel.HOST_PARAMS and not placement.group.fetchable:
                 continue
-            trial = place(groups, {**levels, placement.group.name: nxt}, setup, budget_bytes)
+            try:
+                trial = place(groups, {**levels, placement.group.name: nxt}, setup, budget_bytes)
+            except PlanError:  # the last experts DeepSpeed's optimizer must keep
+                continue
             freed = plan.device_bytes - trial.device_bytes
             added = trial.moved_bytes_per_step - plan.moved_bytes_per_step
             # A step that frees nothing by itself (the first host_params layer pays for the prefetch buffer)

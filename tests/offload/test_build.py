@@ -94,11 +94,30 @@ def test_expert_level_errors_name_the_group_and_what_is_accepted():
                                           r"'3', 'other'\]"):
         build_offload_optimizer(TinyLM(), {**CONFIG, "granular_offload": {"levels": {"0.experts": "device"}}},
                                 "layers", 1)
-    fetched = {**MOE_CONFIG, "granular_offload": {"levels": {"1.experts": "host_params"}}}
+    every = {**MOE_CONFIG, "zero_optimization": {"stage": 1},
+             "granular_offload": {"levels": {f"{i}.experts": "host_params" for i in range(4)}}}
     with pytest.raises(PlanError) as info:
-        build_offload_optimizer(TinyLM(ep_size=1), fetched, "layers", 1)
-    assert "granular_offload.levels.layer1.experts: 'host_params' is for a layer's dense parameters only" in \
-        str(info.value) and "accepted for 'layer1.experts': 'device', 'host_optimizer'" in str(info.value)
+        build_offload_optimizer(TinyLM(ep_size=1), every, "layers", 1)
+    assert "every layer's experts at 'host_params' under ZeRO stage 1, fp32" in str(info.value)
+    assert "put one layer's experts (e.g. '0.experts') at 'device' or 'host_optimizer'" in str(info.value)
+    with pytest.raises(PlanError, match="granular_offload.levels.other: 'host_params' is for the layers' "
+                                        "parameters .* accepted for 'other': 'device', 'host_optimizer'"):
+        build_offload_optimizer(TinyLM(), {**CONFIG, "granular_offload": {"levels": {"other": "host_params"}}},
+                                "layers", 1)
+
+
+def test_experts_at_host_params_stay_in_deepspeeds_optimizer_only_at_fp32_zero0():
+    """A layer's experts at host_params are fetched with their layer; under ZeRO 1 they become an own group of
+    the offload optimizer (DeepSpeed's expert group name kept, for the expert-data-parallel reduction)."""
+    levels = {"granular_offload": {"levels": {"1.experts": "host_params", "1": "host_params"}}}
+    for stage, own in ((0, []), (1, [("layer1", None), ("layer1.experts", "ep_size_1")])):
+        config = {**MOE_CONFIG, "zero_optimization": {"stage": stage}, **levels}
+        optimizer, _, plan = build_offload_optimizer(TinyLM(ep_size=1), config, "layers", 1)
+        assert [(g["placement"], g.get("name")) for g in optimizer.own_param_groups] == own
+        # the layer's dense part and its experts are one fetch: the buffer holds two such layers at most
+        assert plan.prefetch_buffer_bytes == 4 * (192 + EXPERTS)
+        assert [len(e) for e in optimizer.host_params._entries] == [3 + 4 * 4]  # norm, gate; 4 experts of 2 Linear
+        optimizer.remove_hooks()
 
 
 def test_checkpoint_with_the_plan_name_under_name_still_loads():

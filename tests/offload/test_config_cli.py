@@ -1,5 +1,6 @@
 """The granular_offload section's validation and the ``plan`` command's output."""
 import json
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -99,10 +100,10 @@ def test_experts_are_groups_of_their_own(tmp_path, capsys):
     assert "layer1.experts      host_optimizer  4,000        39.06 KiB    31.25 KiB" in out
 
 
-def test_m6_10t_config_on_512_ranks_of_32gb(capsys):
+def test_m6_10t_config_on_512_ranks_of_32gb(capsys, tmp_path):
     """configs/offload_m6_10t.json (bf16, ZeRO 1, experts spread over all 512 ranks): the fully shared pseudo model
-    fits without offload; the real one does not fit even with every optimizer state on the host, because each
-    rank's 48 x 409M expert parameters are not ZeRO-partitioned (replicated once) and their bf16 params, grads and
+    fits without offload. The real one fits only with experts at host_params: each rank's 48 x 409M expert
+    parameters are not ZeRO-partitioned (replicated once), so at host_optimizer their bf16 params, grads and
     DeepSpeed's fp32 copy stay on the device."""
     config = str(REPO / "configs" / "offload_m6_10t.json")
     assert cli_main(["plan", "--config", config, "--world-size", "512", "--shared-groups", "1"]) == 0
@@ -110,7 +111,18 @@ def test_m6_10t_config_on_512_ranks_of_32gb(capsys):
     assert "without offload: device 8.31 GiB per rank (fits 29.80 GiB)" in out
     experts = 408944640
     assert f"layer0.experts  device  {experts:,}  6.09 GiB" in out
-    assert cli_main(["plan", "--config", config, "--world-size", "512"]) == 2
+    assert cli_main(["plan", "--config", config, "--world-size", "512"]) == 0
+    out = capsys.readouterr().out
+    # fetched: bf16 params 2 + fp32 master 4 + gradient buffer 4 + moments 8 B per param on the host
+    assert f"layer4.experts..layer47.experts (44)  host_params     {experts:,}  0 B          6.86 GiB" in out
+    assert "layer3.experts                        host_optimizer" in out  # DeepSpeed keeps one MoE group
+    assert "device total 28.41 GiB (30505898928 B)" in out
+    assert "prefetch buffer 1.52 GiB, streamed gradients 780.00 MiB" in out  # 2 and 1 layers' experts in bf16
+    raw = json.loads(Path(config).read_text())
+    raw["granular_offload"]["max_level"] = "host_optimizer"
+    capped = tmp_path / "capped.json"
+    capped.write_text(json.dumps(raw))
+    assert cli_main(["plan", "--config", str(capped), "--world-size", "512"]) == 2
     err = capsys.readouterr().err
     # per expert group at host_optimizer: bf16 params + grads (2 + 2 B) + fp32 copy (4 B) stay on the device
     assert "the device needs 151.05 GiB" in err and "121.24 GiB (130185038416 bytes) missing" in err
@@ -120,7 +132,13 @@ def test_m6_10t_config_on_512_ranks_of_32gb(capsys):
 def test_m6_config_plans_its_experts_per_layer(tmp_path, capsys):
     """configs/m6_10t.json: the m6 section says which parameters are experts (20 of the 10,240 per layer on each
     of 512 ranks); when nothing fits, the furthest placement is printed with every group's level."""
-    assert cli_main(["plan", "--config", str(REPO / "configs" / "m6_10t.json"), "--world-size", "512"]) == 2
+    assert cli_main(["plan", "--config", str(REPO / "configs" / "m6_10t.json"), "--world-size", "512"]) == 0
+    assert "layer4.experts..layer47.experts (44)  host_params" in capsys.readouterr().out
+    raw = json.loads((REPO / "configs" / "m6_10t.json").read_text())
+    raw["granular_offload"]["max_level"] = "host_optimizer"
+    capped = tmp_path / "capped.json"
+    capped.write_text(json.dumps(raw))
+    assert cli_main(["plan", "--config", str(capped), "--world-size", "512"]) == 2
     captured = capsys.readouterr()
     assert "model: the m6 section (48 layers of 14,684,160 dense + 408,944,640 expert parameters per rank, " \
            "experts over 512 ranks)" in captured.out

@@ -78,13 +78,16 @@ def check(result):
 
 
 def stage_dtype(case):
-    stage, dtype = case.partition("@clip")[0].split(":")[:2]
+    body = case.partition("@clip")[0]
+    if body.startswith("moe:"):  # the MoE model trains in fp32
+        return int(body.split(":")[1]), "fp32"
+    stage, dtype = body.split(":")[:2]
     return int(stage), dtype
 
 
 def outside_deepspeed(case):
     """host_params groups are the optimizer's own (ZeRO 1/2 or bf16); fp32 ZeRO 0 keeps them in DeepSpeed's."""
-    if case.startswith(("moe:", "delink:")):
+    if case.startswith("delink:"):
         return False
     stage, dtype = stage_dtype(case)
     return stage >= 1 or dtype == "bf16"
@@ -104,7 +107,10 @@ ONE_RANK = ["0:fp32:dodoo", "1:fp32:dodoo", "2:fp32:oddod", "0:bf16:dodoo", "1:b
 
 DELINK = ["delink:0:pd:dpopd", "delink:2:od:doodd"]
 # MoE model (4 experts in 2 prototypes per layer, ep_size 1): dense letters per layer + other, then experts per layer
-MOE_ONE_RANK = ["moe:0:1:ddddd:oddo", "moe:1:1:dodod:dooo", "moe:2:1:ddddo:odod"]
+MOE_ONE_RANK = ["moe:0:1:ddddd:oddo", "moe:1:1:dodod:dooo", "moe:2:1:ddddo:odod",
+                # experts at host_params, fetched with their layer: in DeepSpeed's optimizer (fp32 ZeRO 0), and
+                # outside it (ZeRO 1/2; one layer's experts stay inside, as DeepSpeed needs an MoE group)
+                "moe:0:1:pdddd:pdpo", "moe:1:1:pdpdd:ppdp@clip0", "moe:2:1:dpddd:ppod@clip0", "moe:2:1:dpddd:ppod"]
 # the MoE model's shared set with its experts on the host, delinked into a plan with layers 0 and 3's experts there
 MOE_DELINK = ["delink:1:dd:ddddd:o:oddo"]
 
@@ -146,7 +152,10 @@ def test_one_rank_exact_accounted_and_resumable(one_rank):
 
 TWO_RANKS = ["0:fp32:dpopd", "1:fp32:oddod", "2:fp32:dodoo", "2:bf16:oddod", "1:fp32:od:1",
              "moe:1:2:ddddo:dood", "moe:2:2:dodod:oddo",
-             "1:fp32:dpopd@clip0", "2:fp32:pdpod", "2:fp32:po:1@clip0", "0:bf16:dpodd@clip0", "2:bf16:pdodd@clip0"]
+             "1:fp32:dpopd@clip0", "2:fp32:pdpod", "2:fp32:po:1@clip0", "0:bf16:dpodd@clip0", "2:bf16:pdodd@clip0",
+             # experts outside DeepSpeed's optimizer: reduced over their expert-data-parallel group (2 ranks at
+             # ep_size 1, none at ep_size 2)
+             "moe:1:1:pdddd:ppdo@clip0", "moe:2:2:dpdpd:dppo@clip0", "moe:2:2:dpdpd:dppo"]
 
 
 def test_two_ranks_exact_accounted_and_resumable(tmp_path):
@@ -160,21 +169,31 @@ def test_two_ranks_exact_accounted_and_resumable(tmp_path):
     assert zero2["plan"] == {"device": 2 * 8 * 4208, "host": 16 * (2 * 4208 + 2080), "moved": 8 * (2 * 4208 + 2080)}
     # ep_size 2: each rank holds 2 of the 4 experts (8384 params) and, its expert-data-parallel group being that
     # rank alone, steps all of them; the dense part of a layer (192) is still split over both ranks
-    for result in (r for r in out if r["case"].startswith("moe:")):
+    for result in (r for r in out if r["case"].startswith("moe:") and r["case"].split(":")[2] == "2"):
         check_experts(result, EXPERTS // 2)
         assert result["plan_by_group"]["layer0"] == {"device": 8 * 96, "host": 0, "moved": 0, "numel": 192}
+    # ep_size 1: every rank holds all 4 experts; outside DeepSpeed's optimizer they are not partitioned (and
+    # averaged over both ranks), inside it ZeRO splits them over the 2 ranks
+    replicated = next(r for r in out if r["case"] == "moe:1:1:pdddd:ppdo@clip0")
+    assert replicated["own_groups"] == ["layer0", "layer0.experts", "layer1.experts"]
+    assert replicated["held_by_group"]["layer0.experts"] == {"device": 0, "host": 16 * EXPERTS}
+    assert replicated["moved_by_group"]["layer0.experts"] == 4 * EXPERTS
+    assert replicated["held_by_group"]["layer2.experts"] == {"device": 8 * EXPERTS // 2, "host": 0}
 
 
 def check_experts(result, numel):
     """Each layer's expert group (``numel`` params on this rank, not partitioned further) holds and moves what its
     level says: host master + grad buffer + moments 16 B per param, gradient out and master back 8 B per step at
     host_optimizer; moments 8 B per param on the device and nothing moved at device."""
-    for i, letter in enumerate(result["case"].split(":")[-1]):
+    for i, letter in enumerate(result["case"].partition("@clip")[0].split(":")[-1]):
         name = f"layer{i}.experts"
         assert result["plan_by_group"][name]["numel"] == numel
         if letter == "o":
             assert result["held_by_group"][name] == {"device": 0, "host": 16 * numel}
             assert result["moved_by_group"][name] == 8 * numel
+        elif letter == "p":  # host params (the fp32 master) + gradient buffer + moments; the gradient comes out
+            assert result["held_by_group"][name] == {"device": 0, "host": 16 * numel}
+            assert result["moved_by_group"][name] == 4 * numel
         else:
             assert result["held_by_group"][name] == {"device": 8 * numel, "host": 0}
             assert name not in result["moved_by_group"]

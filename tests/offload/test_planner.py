@@ -93,18 +93,16 @@ def test_plan_reports_missing_bytes():
         plan_placement(GROUPS, setup, budget_bytes=29000)
 
 
-def test_experts_stop_at_host_optimizer():
-    # 2 layers of 1000 dense + 1000 expert params: the dense layers go to host_params, the experts cannot (fetch
-    # hooks serve a layer's dense parameters); nothing fits below 2 * 4000 + buffer 8000 + 2 * 8000 experts
+def test_experts_are_fetched_with_their_layer():
+    # 2 layers of 1000 dense + 1000 expert params, fp32 ZeRO 0: every group at host_params keeps its gradients
+    # (4 * 4000) and the buffer holds two layers, dense part and experts together (2 * 4 * 2000): 1 byte short
     groups = uniform_groups(num_layers=2, layer_params=1000, expert_params=1000)
     with pytest.raises(PlanError, match=r"\(1 bytes\) missing") as info:
         plan_placement(groups, FP32_Z0, budget_bytes=31999)
-    assert info.value.plan.levels() == {"layer0": "host_params", "layer1": "host_params",
-                                        "layer0.experts": "host_optimizer", "layer1.experts": "host_optimizer"}
-    with pytest.raises(PlanError, match=r"granular_offload.levels.layer1.experts: 'host_params' is for a layer's "
-                                        r"dense parameters only .* accepted for 'layer1.experts': 'device', "
-                                        r"'host_optimizer'"):
-        place(groups, {"layer1.experts": L.HOST_PARAMS}, FP32_Z0)
+    assert set(info.value.plan.levels().values()) == {"host_params"}
+    assert info.value.plan.prefetch_buffer_bytes == 16000
+    # at 32000 every group at host_optimizer fits too, moving fewer bytes
+    assert set(plan_placement(groups, FP32_Z0, budget_bytes=32000).levels().values()) == {"host_optimizer"}
 
 
 def test_max_level_and_stage_limit_the_levels():
@@ -133,3 +131,21 @@ def test_describe_plan_collapses_runs():
     text = describe_plan(plan_placement(GROUPS, FP32_Z0, budget_bytes=50000))
     assert "layer1..layer3 (3)  host_optimizer  1,000" in text
     assert "groups per level: {'device': 2, 'host_optimizer': 3, 'host_params': 0}" in text
+
+
+def test_planner_keeps_one_layers_experts_in_deepspeeds_optimizer_outside_fp32_zero0():
+    # 4 layers with experts (dense 100, experts 1000 each): under a budget that wants everything on the host,
+    # ZeRO 1 keeps one expert group at host_optimizer (DeepSpeed needs an MoE param group); fp32 ZeRO 0 does not
+    groups = uniform_groups(4, 100, other_params=50, expert_params=1000)
+    zero1 = TrainingSetup("fp32", 1, 1)
+    plan = plan_placement(groups, zero1, budget_bytes=26000)
+    assert plan.levels() == {**{f"layer{i}": "host_params" for i in range(4)}, "layer0.experts": "host_optimizer",
+                             **{f"layer{i}.experts": "host_params" for i in (1, 2, 3)}, "other": "host_optimizer"}
+    # the one expert group's params, gradients and fp32 partition (12 B each), other's (12 B each), two layers
+    # in the buffer (2 * 4 * 1100) and one layer's streamed gradients (4 * 1100)
+    assert plan.device_bytes == 12 * 1000 + 12 * 50 + 8800 + 4400
+    with pytest.raises(PlanError, match="every layer's experts at 'host_params'"):
+        place(groups, {g.name: L.HOST_PARAMS for g in groups if g.is_layer}, zero1)
+    zero0 = place(groups, {g.name: L.HOST_PARAMS for g in groups if g.is_layer}, FP32_Z0)
+    # one fetch per layer, dense part and experts together: two layers' worth in the buffer
+    assert zero0.prefetch_buffer_bytes == 2 * 4 * 1100
