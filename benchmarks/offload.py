@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--device-memory", default="4MB", help="granular budget per device, e.g. 20GB")
     parser.add_argument("--max-level", default="host_optimizer")
+    parser.add_argument("--gradient-clipping", type=float, default=1.0, help="DeepSpeed's gradient_clipping (its "
+                        "default 1.0); 0 keeps host_params groups bit-exact against the no-offload arm on CPU")
     parser.add_argument("--ratio", type=float, default=0.5, help="ZeRO-3 offload_optimizer.ratio")
     parser.add_argument("--arms", default="none,granular", help=f"comma list of {ARMS} or 'all'")
     parser.add_argument("--out", default=str(RESULTS / "offload.json"))
@@ -50,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def base_config(args, stage: int) -> Dict:
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
               "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+              "gradient_clipping": args.gradient_clipping}
     if args.bf16:
         config["bf16"] = {"enabled": True}
     return config
@@ -62,7 +65,7 @@ def build_arm(arm: str, args):
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from ds_pseudo_real.offload import build_offload_optimizer, model_groups
+    from ds_pseudo_real.offload import attach_to_engine, build_offload_optimizer, model_groups
 
     torch.manual_seed(0)
     model = build_gpt(args.layers, args.d_model, args.heads, args.seq_len)
@@ -71,6 +74,7 @@ def build_arm(arm: str, args):
         config["granular_offload"] = {"device_memory": args.device_memory, "max_level": args.max_level}
         optimizer, config, plan = build_offload_optimizer(model, config, "layers", int(os.environ.get("WORLD_SIZE", 1)))
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        attach_to_engine(engine)
         return engine, optimizer, plan
     if arm == "none" and not torch.cuda.is_available():
         # the same Adam kernel and the same per-layer groups as the granular arm, so losses must be identical

@@ -40,9 +40,12 @@ cuda=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
 timeout 240 "$PY" benchmarks/offload.py --layers 8 --d-model 256 --device-memory 100MB --arms none,granular \
   --out "$OUT/offload_exactness.json"
 status=$?
+# host_params under ZeRO 2: parameters fetched on a side stream, gradients streamed off in backward hooks
+timeout 240 "$PY" benchmarks/offload.py --layers 8 --d-model 256 --device-memory 60MB --max-level host_params \
+  --gradient-clipping 0 --arms none,granular --out "$OUT/offload_host_params.json" || status=$?
 if [ "$cuda" = 1 ]; then
   timeout 330 "$PY" benchmarks/offload.py --layers 24 --d-model 2048 --seq-len 256 --micro-batch 2 --bf16 --device-memory 12GB \
-    --arms all --out "$OUT/offload_gpu.json" || status=$?
+    --max-level host_params --arms all --out "$OUT/offload_gpu.json" || status=$?
 else
   echo "no CUDA device: step 2 (step time and peak device memory) skipped"
 fi

@@ -263,6 +263,8 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         pending = [g for g in self.own_param_groups if any(p.grad is not None for p in g["params"])]
         for group, p, buffer, event in self._start_grad_copies(pending):
             self._streamed[p] = event
+            if p.grad.is_cuda:
+                p.grad.record_stream(self._d2h)  # freed below, still read by the copy
             p.grad = None
 
     def _wait_streamed(self, p: torch.Tensor) -> None:

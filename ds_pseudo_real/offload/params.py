@@ -52,6 +52,9 @@ class HostParamStore:
         self.buffered_bytes = 0
         self.peak_buffered_bytes = 0
         self._handles = []
+        self._converting = list(dict.fromkeys(modules))
+        for module in self._converting:
+            self._convert_on_host(module)
         for k, module in enumerate(modules):
             self._handles += [
                 module.register_forward_pre_hook(lambda m, a, k=k: self._use(k, k + 1)),
@@ -59,6 +62,32 @@ class HostParamStore:
                 module.register_full_backward_pre_hook(lambda m, g, k=k: self._use(k, k - 1)),
                 module.register_full_backward_hook(lambda m, gi, go, k=k: self._release(k)),
             ]
+
+    def _convert_on_host(self, module: nn.Module) -> None:
+        """Conversions of the model (``Module._apply``: the engine's ``.to(device)``, a dtype cast) reach this
+        layer's host params one at a time and leave them on the host, converted: the device never holds the
+        layers while the engine is built. Per instance, undone by :meth:`remove` (torch 2.x ``Module._apply``)."""
+        original = module._apply
+
+        def _apply(fn, *args, **kwargs):
+            return original(lambda t: self._converted(t, fn), *args, **kwargs)
+
+        module._apply = _apply
+
+    def _converted(self, t: torch.Tensor, fn) -> torch.Tensor:
+        if not isinstance(t, nn.Parameter) or t not in self._host:
+            return fn(t)
+        probe = fn(torch.empty(0, dtype=t.dtype))  # where and in what dtype the conversion puts a tensor
+        out = fn(t) if probe.device.type == "cpu" else t.detach().to(dtype=probe.dtype)  # never via the device
+        if out is t:
+            return out
+        pin = self._host[t].is_pinned()
+        if out.device.type != "cpu" or out.is_pinned() != pin:
+            host = torch.empty(out.shape, dtype=out.dtype, device="cpu", pin_memory=pin)
+            host.copy_(out)
+            out = host
+        self._host[t] = out
+        return out
 
     def host_tensor(self, p: nn.Parameter) -> torch.Tensor:
         """The host copy of ``p``: its working value between uses and the optimizer's fp32 master."""
@@ -78,8 +107,8 @@ class HostParamStore:
                 p.data = host
 
     def adopt_all(self) -> None:
-        """Take back every parameter the engine replaced while it was built (moved to the device, cast to bf16),
-        so that the device copies are freed now and the host copies hold the values training starts from."""
+        """Take back every parameter replaced outside ``Module._apply`` while the engine was built (DeepSpeed
+        0.19.8 casts to bf16 by setting ``p.data``), so that the host copies hold the values training starts from."""
         for params in self._entries:
             self._adopt(params)
 
@@ -126,3 +155,6 @@ class HostParamStore:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for module in self._converting:
+            module.__dict__.pop("_apply", None)
+        self._converting = []

@@ -105,14 +105,15 @@ ONE_RANK = ["0:fp32:dodoo", "1:fp32:dodoo", "2:fp32:oddod", "0:bf16:dodoo", "1:b
             "0:bf16:pdodd", "1:bf16:pdpod", "2:bf16:dpdpd@clip0", "2:fp32:po:1@clip0", "1:fp32:ppd:2@clip0"]
 
 
-DELINK = ["delink:0:pd:dpopd", "delink:2:od:doodd"]
+DELINK = ["delink:0:pd:dpopd", "delink:2:od:doodd", "delink:1:pd:dpopd"]  # ZeRO 1: host_params outside DeepSpeed
 # MoE model (4 experts in 2 prototypes per layer, ep_size 1): dense letters per layer + other, then experts per layer
 MOE_ONE_RANK = ["moe:0:1:ddddd:oddo", "moe:1:1:dodod:dooo", "moe:2:1:ddddo:odod",
                 # experts at host_params, fetched with their layer: in DeepSpeed's optimizer (fp32 ZeRO 0), and
                 # outside it (ZeRO 1/2; one layer's experts stay inside, as DeepSpeed needs an MoE group)
                 "moe:0:1:pdddd:pdpo", "moe:1:1:pdpdd:ppdp@clip0", "moe:2:1:dpddd:ppod@clip0", "moe:2:1:dpddd:ppod"]
 # the MoE model's shared set with its experts on the host, delinked into a plan with layers 0 and 3's experts there
-MOE_DELINK = ["delink:1:dd:ddddd:o:oddo"]
+# and, under ZeRO 2, into a plan with layer 0's dense part and two layers' experts at host_params
+MOE_DELINK = ["delink:1:dd:ddddd:o:oddo", "delink:2:dd:pdddd:o:dppd"]
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +228,14 @@ def test_replan_at_the_delink(one_rank):
 def test_moe_replan_at_the_delink(one_rank):
     """The MoE model: the pseudo plan's shared experts at host_optimizer, delinked and re-planned with two layers'
     experts there; the loss is continuous and the new optimizer holds and moves what the new plan says."""
+    for case in MOE_DELINK:
+        result = one_rank[case]
+        assert result["real_losses"][0] == result["pseudo_loss"]
+        assert result["held"] == {"device": result["plan"]["device"], "host": result["plan"]["host"]}
+        assert result["moved"] == result["plan"]["moved"]
+    fetched = one_rank[MOE_DELINK[1]]["levels"]
+    assert [k for k, v in fetched.items() if v == "host_params"] == ["layer0", "layer1.experts", "layer2.experts"]
     result = one_rank[MOE_DELINK[0]]
-    assert result["real_losses"][0] == result["pseudo_loss"]
     assert result["pseudo_levels"] == {"layer0": "device", "layer0.experts": "host_optimizer", "other": "device"}
     assert result["levels"] == expected_levels("moe:1:1:ddddd:oddo")
     assert result["held"] == {"device": result["plan"]["device"], "host": result["plan"]["host"]}

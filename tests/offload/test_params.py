@@ -58,3 +58,21 @@ def test_pseudo_model_fetches_the_shared_set_per_layer():
     before = store.fetched_bytes
     grads(model)
     assert store.fetched_bytes == before  # hooks are off
+
+
+def test_model_conversions_leave_host_params_on_the_host():
+    """A dtype cast of the whole model (as the engine's bf16 cast and .to(device) go through Module._apply)
+    converts the host params one by one and keeps them in the store: the host copy is the converted param."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    expected = model.layers[2].up.weight.detach().to(torch.bfloat16)
+    store = HostParamStore(model, "layers", [list(model.layers[2].parameters())])
+    weight = model.layers[2].up.weight
+    model.to(torch.bfloat16)
+    assert weight.dtype == torch.bfloat16 and store.host_tensor(weight).dtype == torch.bfloat16
+    assert weight.data_ptr() == store.host_tensor(weight).data_ptr() and torch.equal(weight.detach(), expected)
+    assert model.layers[1].up.weight.dtype == torch.bfloat16  # layers without host params convert as usual
+    model.to("cpu")
+    assert weight.data_ptr() == store.host_tensor(weight).data_ptr()
+    store.remove()
+    assert "_apply" not in model.layers[2].__dict__
