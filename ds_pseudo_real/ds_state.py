@@ -167,7 +167,8 @@ def memory_report(engine) -> Dict[str, int]:
     module_ids = {id(p) for p in params}
     master_bytes = sum(t.numel() * t.element_size() for t in master_tensors if id(t) not in module_ids)
     states = list(optimizer.state.values()) + list(getattr(optimizer, "own_state", {}).values())
-    state_bytes = sum(v.numel() * v.element_size() for s in states for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    state_bytes = sum(v.numel() * v.element_size() for s in states for v in s.values()
+                      if torch.is_tensor(v) and v.dim() > 0)
     stage = engine.zero_optimization_stage()
     grad_elements = sum(t.numel() for t in master_tensors) if stage >= 2 else sum(p.numel() for p in params)
     grad_size = torch.empty((), dtype=engine.get_data_types()[1]).element_size()

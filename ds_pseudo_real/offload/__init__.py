@@ -130,7 +130,7 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
     ``host_params`` get hooks on their modules and, under ZeRO >= 1 or bf16, gradient-streaming hooks on their
     parameters, which stay outside DeepSpeed's optimizer (``optimizer.remove_hooks()`` takes them all off). Raises
     :class:`ConfigError` for a bad section or optimizer, :class:`PlanError` when nothing fits the budget or a
-    level is not accepted for a group (``host_params`` for experts or ``other``).
+    level is not accepted (``host_params`` for ``other``; for every layer's experts under ZeRO >= 1 or bf16).
     """
     section = parse_granular_offload(ds_config)
     if section is None:
@@ -169,8 +169,8 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
 
 
 def attach_to_engine(engine) -> None:
-    """After ``deepspeed.initialize`` with a :class:`GranularOffloadOptimizer`: move host_params layers back to
-    the host (the engine moved the whole model to the device). For its own groups (host_params outside DeepSpeed's
+    """After ``deepspeed.initialize`` with a :class:`GranularOffloadOptimizer`: take back into the host store the
+    host_params the engine replaced outside ``Module._apply`` (its bf16 cast). For its own groups (host_params outside DeepSpeed's
     optimizer): give them the zero-gradient step DeepSpeed's stage-0 unfused optimizer gave the other groups,
     fold their gradients into DeepSpeed's global gradient norm (so that clipping and the reported norm cover the
     whole model) and reduce them in the engine's communication dtype. Nothing to do for other optimizers."""
@@ -191,5 +191,5 @@ def describe_offload_plan(plan: Optional[OffloadPlan]) -> str:
     return "granular offload: off" if plan is None else describe_plan(plan)
 
 
-__all__ = ["build_offload_optimizer", "attach_to_engine", "describe_offload_plan", "model_groups", "param_group", "adam_arguments",
-           "GranularOffloadOptimizer", "OffloadPlan", "PlacementLevel", "PlanError", "plan_placement"]
+__all__ = ["build_offload_optimizer", "attach_to_engine", "describe_offload_plan", "model_groups", "param_group",
+           "adam_arguments", "GranularOffloadOptimizer", "OffloadPlan", "PlacementLevel", "PlanError", "plan_placement"]

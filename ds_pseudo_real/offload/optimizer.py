@@ -60,8 +60,9 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
 
     ``adamw_mode`` True: decoupled weight decay (AdamW); False: L2 added to the gradient (Adam), as DeepSpeed's
     ``adam_w_mode``. ``host_params`` is the :class:`~ds_pseudo_real.offload.params.HostParamStore` of the model when
-    any group is at ``host_params``. ``own_groups``: host_params groups this optimizer reduces (over
-    ``reduce_group``, default the world) and steps itself, outside ``param_groups`` (see the module docstring).
+    any group is at ``host_params``. ``own_groups``: host_params groups this optimizer reduces (averaged over
+    ``reduce_group``, default the world; experts summed over their expert-data-parallel group) and steps itself,
+    outside ``param_groups`` (see the module docstring).
     """
 
     def __init__(self, param_groups: Iterable[Dict[str, Any]], lr: float = 1e-3, betas=(0.9, 0.999),

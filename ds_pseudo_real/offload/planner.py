@@ -122,6 +122,7 @@ class TrainingSetup:
         all-reduces every gradient of the model after the backward, so they stay there until the step)."""
         return self.host_params_outside_deepspeed and self.zero_stage >= 1
 
+
 class GroupBytes(NamedTuple):
     """Per-rank bytes of one group at one level."""
 
@@ -182,7 +183,7 @@ class OffloadPlan:
 
     def _fetched_layers(self) -> List[int]:
         """Elements fetched per layer that has host_params groups (its dense part and its experts together),
-        once for each layer a shared set serves, up to the two the buffer can hold."""
+        largest first, listed once per layer a shared set serves (twice at most: the buffer holds two)."""
         per_layer: Dict[int, List[GroupPlacement]] = {}
         for p in self.placements:
             if p.level is PlacementLevel.HOST_PARAMS:
