@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import os
 from enum import Enum
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Literal, Mapping, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SECTION = "pseudo_to_real"
+CHECKPOINT_SECTION = "checkpoint"  # DeepSpeed's own section; the plugin adds the keys of CheckpointOptions
 
 
 class ConfigError(ValueError):
@@ -70,6 +71,27 @@ class PseudoToRealConfig(SectionModel):
     switch: SwitchTrigger = Field(default_factory=lambda: SwitchTrigger(at_step=1000))
     optimizer_state: OptimizerStatePolicy = OptimizerStatePolicy.COPY
     rewarmup_steps: int = Field(0, ge=0)
+
+
+class CheckpointOptions(SectionModel):
+    """The plugin's keys in DeepSpeed's ``checkpoint`` section (DeepSpeed's own keys there pass through to it)."""
+
+    verify: Literal["checksum", "size", "none"] = "checksum"
+    keep_last: Optional[int] = Field(None, ge=1)
+
+
+def split_checkpoint_options(ds_config: Mapping[str, Any]) -> Tuple[Dict[str, Any], CheckpointOptions]:
+    """(the DeepSpeed config without the plugin's checkpoint keys, those keys validated)."""
+    section = ds_config.get(CHECKPOINT_SECTION)
+    if section is None:
+        return dict(ds_config), CheckpointOptions()
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"invalid config:\n  {CHECKPOINT_SECTION}: expected an object, got {section!r}")
+    ours = {k: v for k, v in section.items() if k in CheckpointOptions.model_fields}
+    options = validate_section(CheckpointOptions, CHECKPOINT_SECTION, ours)
+    rest = dict(ds_config)
+    rest[CHECKPOINT_SECTION] = {k: v for k, v in section.items() if k not in CheckpointOptions.model_fields}
+    return rest, options
 
 
 def format_validation_error(section: str, error: ValidationError) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import shutil
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -21,7 +22,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import ds_state
 from .callbacks import PSEUDO, REAL, CallbackList, TrainingCallback, TrainingControl, TrainingState
-from .config import ConfigError, OptimizerStatePolicy, PlateauMetric, PseudoToRealConfig
+from .config import ConfigError, OptimizerStatePolicy, PlateauMetric, PseudoToRealConfig, split_checkpoint_options
 from .sharing import (
     apply_sharing,
     delink_layers,
@@ -150,6 +151,8 @@ class PseudoToRealController:
                     f"the real model at the delink"
                 )
         self.config = ptr_config
+        ds_config, self.checkpoint_options = split_checkpoint_options(ds_config)
+        self._prepared_dirs: set = set()
         self.ds_config = {k: v for k, v in ds_config.items() if k not in PLUGIN_SECTIONS}
         self.full_ds_config = ds_config
         self._optimizer_factory = optimizer
@@ -377,7 +380,6 @@ class PseudoToRealController:
 
     def _sidecar(self, kind: str = "deepspeed") -> Dict[str, Any]:
         return {
-            "format": 1,
             "kind": kind,
             "stage": self.state.stage,
             "global_step": self.engine.global_steps,
@@ -388,51 +390,145 @@ class PseudoToRealController:
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         }
 
+    def _prepare_dir(self, folder: str) -> None:
+        """Once per folder and run, before the first save or load there: rank 0 creates it and removes what crashed
+        saves left (after a barrier, so that no rank is still writing)."""
+        if folder in self._prepared_dirs:
+            return
+        _barrier()
+        if is_rank0():
+            os.makedirs(folder, exist_ok=True)
+            ckpt.remove_stale(folder)
+        _barrier()
+        self._prepared_dirs.add(folder)
+
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict] = None) -> str:
-        """Write a checkpoint atomically: ``<tag>.partial`` by every rank, then renamed to ``<tag>`` + ``latest``."""
+        """Write a checkpoint atomically: ``<tag>.partial`` by every rank (each file checksummed as it is written
+        and fsynced), then rank 0 adds the manifest and renames it to ``<tag>`` + ``latest``, then applies
+        ``checkpoint.keep_last``. A failed write on any rank raises :class:`~ds_pseudo_real.checkpoint.CheckpointError`
+        on every rank, naming the file and the last good checkpoint; the partial folder is removed and training can
+        go on (a later save can succeed once the cause is gone)."""
         tag = tag or f"global_step{self.engine.global_steps}"
         client = dict(client_state or {})
         client[CLIENT_KEY] = self._plugin_state()
+        self._prepare_dir(save_dir)
+        staged = os.path.join(save_dir, ckpt.partial_tag(tag))
+        written, failure = {}, None
+        try:
+            with ds_state.checksummed_writes(self.engine, staged) as written:
+                self.engine.save_checkpoint(save_dir, tag=ckpt.partial_tag(tag), client_state=client, save_latest=False)
+        except (OSError, RuntimeError) as error:
+            failure = error
+            _barrier()  # the closing barrier of DeepSpeed's save_checkpoint, which this rank skipped
+        self._raise_if_save_failed(save_dir, tag, failure)
+        every = ckpt.gather(written)
         if is_rank0():
-            os.makedirs(save_dir, exist_ok=True)
-        _barrier()
-        self.engine.save_checkpoint(save_dir, tag=ckpt.partial_tag(tag), client_state=client, save_latest=False)
-        _barrier()
+            try:
+                merged = {name: entry for part in every for name, entry in part.items()}
+                ckpt.publish(save_dir, tag, self._sidecar(), merged)
+            except OSError as error:
+                failure = error
+        self._raise_if_save_failed(save_dir, tag, failure)
         if is_rank0():
-            ckpt.publish(save_dir, tag, self._sidecar())
+            ckpt.prune(save_dir, self.checkpoint_options.keep_last)
         _barrier()
         return os.path.join(save_dir, tag)
 
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, **kwargs) -> Tuple[Optional[str], Dict]:
-        """Load a checkpoint of either stage (or a converted one); becomes real first when it is a real one."""
-        tag = tag or ckpt.latest_tag(load_dir)
+    def _raise_if_save_failed(self, save_dir: str, tag: str, failure: Optional[BaseException]) -> None:
+        """Collective: every rank raises when any rank's part of the save failed; rank 0 removes the partial folder."""
+        reports = ckpt.gather(None if failure is None else f"{type(failure).__name__}: {failure}")
+        ranks = [rank for rank, report in enumerate(reports) if report]
+        if not ranks:
+            return
+        staged = os.path.join(save_dir, ckpt.partial_tag(tag))
+        if is_rank0():
+            shutil.rmtree(staged, ignore_errors=True)
+        _barrier()
+        raise ckpt.CheckpointError(
+            f"could not save checkpoint {os.path.join(save_dir, tag)} (rank {', '.join(map(str, ranks))}): "
+            f"{reports[ranks[0]]}; the partial folder {staged} was removed and the run's state is intact; "
+            f"{ckpt.last_good(save_dir)}"
+        ) from failure
+
+    def load_checkpoint(self, load_dir: Optional[str], tag: Optional[str] = None, *, verify: Optional[str] = None,
+                        **kwargs) -> Tuple[Optional[str], Dict]:
+        """Resume from a checkpoint of either stage (or a converted one); becomes real first when it is a real one.
+
+        ``tag`` None: the newest checkpoint in ``load_dir`` that verifies (damaged newer ones are moved aside with a
+        warning; :class:`~ds_pseudo_real.checkpoint.CheckpointError` when checkpoints exist but none verifies);
+        ``(None, {})`` when ``load_dir`` holds none. ``tag`` given (a tag in ``load_dir`` or the path of a checkpoint
+        folder): that one, which must verify. ``verify`` overrides ``checkpoint.verify`` (checksum, size, none).
+        """
+        mode = verify or self.checkpoint_options.verify
         if tag is None:
-            return None, {}
+            if load_dir is None:
+                raise ValueError("load_checkpoint: give load_dir, or tag as the path of a checkpoint folder")
+            self._prepare_dir(load_dir)
+            chosen = ckpt.select_resume(load_dir, mode)
+            if chosen is None:
+                return None, {}
+            tag, verdict = chosen
+        else:
+            load_dir, tag = ckpt.resolve(load_dir, tag)
+            verdict = ckpt.verify(load_dir, tag, mode)
+            if not verdict.ok:
+                raise ckpt.CheckpointError(
+                    f"checkpoint {verdict.folder} cannot be loaded: {'; '.join(verdict.problems)}"
+                )
+        log_rank0(verdict.summary())
         side = ckpt.read_sidecar(load_dir, tag)
-        if side["num_layers"] != self.num_layers or side["layers"] != self.layer_path:
-            raise ConfigError(
-                f"checkpoint {load_dir}/{tag} has {side['num_layers']} layers at {side['layers']!r}; "
-                f"this model has {self.num_layers} at {self.layer_path!r}"
-            )
-        if side["stage"] == PSEUDO and self.state.stage == REAL:
-            raise ConfigError(
-                f"checkpoint {load_dir}/{tag} is a pseudo-stage checkpoint but this run is in the real stage "
-                f"(pseudo_to_real.enabled is false?); convert it with `ds-pseudo-real convert`"
-            )
+        self._check_compatible(load_dir, tag, side)
         if side["kind"] == "converted":
             return self._load_converted(load_dir, tag, side)
-        if side["stage"] == PSEUDO and side["groups"] != self.groups:
-            raise ConfigError(f"checkpoint {load_dir}/{tag} has pseudo_to_real.groups={side['groups']}, config has {self.groups}")
         if side["stage"] == REAL and self.state.stage == PSEUDO:
             self._release_engine()
             self._build_real_engine(None)
-        path, client = self.engine.load_checkpoint(load_dir, tag, **kwargs)
+        try:
+            path, client = self.engine.load_checkpoint(load_dir, tag, **kwargs)
+        except Exception as error:
+            raise ckpt.CheckpointError(
+                f"DeepSpeed could not load checkpoint {os.path.join(load_dir, tag)}: {type(error).__name__}: {error}; "
+                f"{'it verified' if verdict.ok and not verdict.legacy and mode != 'none' else 'it was not verified'}"
+                f" (checkpoint.verify: {mode}); resume from another one with --resume-from TAG|PATH: "
+                f"{[c.tag for c in ckpt.list_checkpoints(load_dir) if c.tag != tag]}"
+            ) from error
         if path is None:
-            raise RuntimeError(f"DeepSpeed could not load checkpoint {load_dir}/{tag}")
+            raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {load_dir}/{tag}")
         client = dict(client or {})
         self._restore_plugin_state(client.pop(CLIENT_KEY))
         log_rank0(f"resumed from {os.path.join(load_dir, tag)} at step {self.engine.global_steps} ({self.state.stage} stage)")
         return path, client
+
+    def _check_compatible(self, load_dir: str, tag: str, side: Dict[str, Any]) -> None:
+        """Refuse, before DeepSpeed reads anything, a checkpoint this run cannot load, saying what to do instead."""
+        where = f"checkpoint {os.path.join(load_dir, tag)}"
+        if side["num_layers"] != self.num_layers or side["layers"] != self.layer_path:
+            raise ConfigError(
+                f"{where} has {side['num_layers']} layers at {side['layers']!r}; "
+                f"this model has {self.num_layers} at {self.layer_path!r}"
+            )
+        if side["stage"] == PSEUDO and self.state.stage == REAL:
+            raise ConfigError(
+                f"{where} is a pseudo-stage checkpoint but this run is in the real stage "
+                f"(pseudo_to_real.enabled is false?); convert it with `ds-pseudo-real convert`"
+            )
+        if side["kind"] == "converted":
+            return
+        if side["stage"] == PSEUDO and side["groups"] != self.groups:
+            raise ConfigError(f"{where} has pseudo_to_real.groups={side['groups']}, config has {self.groups}")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        zero = self.engine.zero_optimization_stage()
+        saved_world, saved_zero = side.get("world_size", world), side.get("zero_stage", zero)
+        if saved_zero != zero or (zero > 0 and saved_world != world):
+            converted = f"{os.path.normpath(load_dir)}_converted"
+            raise ckpt.CheckpointError(
+                f"{where} was saved by {saved_world} ranks at ZeRO stage {saved_zero}; this run has {world} ranks at "
+                f"ZeRO stage {zero}, and DeepSpeed's ZeRO optimizer state only loads on the layout that saved it. "
+                f"Convert it, then resume from the converted one (weights, steps, LR schedule and trigger state are "
+                f"kept; Adam moments start at zero):\n  ds-pseudo-real convert --input {load_dir} --tag {tag} "
+                f"--output {converted}\nand run with --resume-from {os.path.join(converted, tag)} "
+                f"(or go back to {saved_world} ranks at ZeRO stage {saved_zero})"
+            )
 
     def _restore_plugin_state(self, plugin: Dict[str, Any]) -> None:
         self.state = TrainingState.from_dict(plugin["state"])

@@ -1,7 +1,7 @@
 """Offline pseudo -> real checkpoint conversion: ``ds-pseudo-real convert --input DIR --output DIR``.
 
-Owns: consolidating a pseudo-stage DeepSpeed checkpoint of any ZeRO stage and rank count into full fp32 weights
-(DeepSpeed's own ``zero_to_fp32`` reader), expanding them to the real model's keys, and writing a "converted"
+Owns: consolidating a DeepSpeed checkpoint of any ZeRO stage and rank count into full fp32 weights (DeepSpeed's own
+``zero_to_fp32`` reader), expanding a pseudo-stage one to the real model's keys, and writing a "converted"
 checkpoint that ``load_checkpoint`` of a real-stage run on any number of ranks or ZeRO stage accepts. Carries
 the weights, the step counters, the LR schedule position and the plugin state; Adam moments start at zero
 (the sharded optimizer layout depends on the rank count; in-process delinks carry them).
@@ -61,20 +61,33 @@ def _offload_own_weights(folder: Path, model_states: Dict, known: set) -> Dict[s
 
 
 def convert(input_dir: str, output_dir: str, tag: Optional[str] = None) -> Path:
-    """Write a real-stage "converted" checkpoint of the pseudo checkpoint ``input_dir/tag`` (default: latest)."""
-    tag = tag or ckpt.latest_tag(input_dir)
+    """Write a real-stage "converted" checkpoint of ``input_dir/tag`` (default: the newest that verifies): a pseudo
+    checkpoint expanded to every layer, or a real one consolidated, so that it loads on any rank count or ZeRO
+    stage."""
     if tag is None:
-        raise FileNotFoundError(f"{input_dir} has no complete checkpoint (no 'latest' pointing at one)")
+        chosen = ckpt.select_resume(input_dir, move_aside=False)
+        if chosen is None:
+            raise ckpt.CheckpointError(f"{input_dir} holds no checkpoint to convert")
+        tag = chosen[0]
+    else:
+        verdict = ckpt.verify(input_dir, tag)
+        if not verdict.ok:
+            problems = "; ".join(verdict.problems)
+            raise ckpt.CheckpointError(f"checkpoint {verdict.folder} cannot be converted: {problems}")
     side = ckpt.read_sidecar(input_dir, tag)
-    if side["stage"] != PSEUDO:
-        raise ValueError(f"{input_dir}/{tag} is a {side['stage']}-stage checkpoint; only pseudo-stage ones need converting")
+    if side["kind"] == "converted":
+        raise ValueError(f"{input_dir}/{tag} is already a converted checkpoint: it loads on any rank count as it is")
     folder = Path(input_dir) / tag
     model_states = torch.load(_model_states_file(folder), map_location="cpu", weights_only=False)
     weights = consolidated_fp32_weights(folder, side["zero_stage"], model_states)
-    real = expand_state_dict(weights, side["layers"], side["num_layers"], side["groups"], clone=True)
     plugin = model_states.get(CLIENT_KEY)
-    if plugin is not None:
-        plugin = {"state": dict(plugin["state"], stage=REAL, switch_step=model_states["global_steps"]), "callbacks": plugin["callbacks"]}
+    if side["stage"] == PSEUDO:
+        real = expand_state_dict(weights, side["layers"], side["num_layers"], side["groups"], clone=True)
+        if plugin is not None:
+            state = dict(plugin["state"], stage=REAL, switch_step=model_states["global_steps"])
+            plugin = {"state": state, "callbacks": plugin["callbacks"]}
+    else:
+        real = weights
     trainer = {
         "global_steps": model_states["global_steps"],
         "global_samples": model_states.get("global_samples", 0),
@@ -94,11 +107,12 @@ def convert(input_dir: str, output_dir: str, tag: Optional[str] = None) -> Path:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ds-pseudo-real convert",
-        description="Convert a pseudo-stage checkpoint into a real-stage one that loads on any rank count or ZeRO stage.",
+        description="Convert a checkpoint (pseudo or real stage) into a real-stage one that loads on any rank count or "
+                    "ZeRO stage.",
     )
-    parser.add_argument("--input", required=True, help="checkpoint folder of the pseudo stage (holds 'latest')")
+    parser.add_argument("--input", required=True, help="folder of checkpoints (holds 'latest'), pseudo or real stage")
     parser.add_argument("--output", required=True, help="folder to write the real-stage checkpoint into")
-    parser.add_argument("--tag", default=None, help="checkpoint tag to convert (default: the one 'latest' names)")
+    parser.add_argument("--tag", default=None, help="checkpoint tag to convert (default: the newest that verifies)")
     args = parser.parse_args(argv)
     if os.path.abspath(args.input) == os.path.abspath(args.output):
         parser.error("--output must differ from --input")

@@ -4,12 +4,15 @@ Owns every use of DeepSpeed internals by the plugin (written against DeepSpeed 0
 for ZeRO 1-3 and the bf16 optimizer, direct access for the plain fp32 optimizer of ZeRO stage 0, seeding the
 lazily created optimizer state so moments can be set before the first step, the per-rank byte accounting, and
 folding the norm of gradients DeepSpeed does not hold (granular offload's own groups) into its global gradient
-norm, by wrapping one method on the engine's own optimizer instance (it lives and dies with that engine).
+norm, by wrapping one method on the engine's own optimizer instance (it lives and dies with that engine), and
+checksumming the files its checkpoint engine writes.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+import os
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 from deepspeed.runtime.utils import combine_grad_norm_groups
@@ -265,3 +268,33 @@ def expert_data_parallel_group(name: str):
     from deepspeed.utils import groups
 
     return groups._get_expert_data_parallel_group(name)
+
+
+@contextlib.contextmanager
+def checksummed_writes(engine, folder: str) -> Iterator[Dict[str, Dict[str, Any]]]:
+    """While DeepSpeed saves into ``folder``: its torch checkpoint engine writes each file through a checksumming,
+    fsynced file object; yields {path relative to ``folder``: manifest entry} of this rank's files. A failed write
+    raises the file system's OSError with the path. Other checkpoint engines write as they do (their files are
+    checksummed when the checkpoint is published). The engine's ``save`` is shadowed on the instance for the
+    duration only (DeepSpeed 0.19.8: every checkpoint file goes through ``engine.checkpoint_engine.save``)."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    from .checkpoint import save_with_checksum
+
+    checkpoint_engine = engine.checkpoint_engine
+    written: Dict[str, Dict[str, Any]] = {}
+    if type(checkpoint_engine) is not TorchCheckpointEngine:
+        yield written
+        return
+
+    def save(state_dict, path: str) -> None:
+        zipfile = checkpoint_engine.zipfile_serialization
+        written[os.path.relpath(path, folder)] = save_with_checksum(
+            lambda handle: torch.save(state_dict, handle, _use_new_zipfile_serialization=zipfile), path
+        )
+
+    checkpoint_engine.save = save
+    try:
+        yield written
+    finally:
+        del checkpoint_engine.save

@@ -1,6 +1,7 @@
 """The run's loss history: a JSONL log that survives resumes, and the train/validation plot with the switch marked.
 
-Owns: writing and trimming ``metrics.jsonl`` and drawing ``loss.png``. Knows nothing of engines.
+Owns: appending to ``metrics.jsonl`` (never rewritten), reading its continuous history, and drawing ``loss.png``.
+Knows nothing of engines.
 """
 from __future__ import annotations
 
@@ -10,25 +11,54 @@ from typing import Dict, Iterable, List
 
 
 class MetricsLog:
-    """Append-only JSONL; on resume at step N, records of steps after N (from the lost tail) are dropped."""
+    """Append-only JSONL: never rewritten. A run started at step N (resumed, or N = 0 for a fresh start over an old
+    history) appends ``{"event": "resume", "step": N}``; :func:`read_records` then drops the records of steps after
+    N written before it (the tail the checkpoint did not keep), so the history stays continuous."""
 
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_records(self.path) if r.get("step", 0) <= resume_step] if resume_step else []
-        with open(self.path, "w") as handle:
-            handle.writelines(json.dumps(r) + "\n" for r in kept)
+        if self.path.is_file() and self.path.stat().st_size:
+            self._terminate_partial_line()
+            self.write({"event": RESUME, "step": resume_step})
+
+    def _terminate_partial_line(self) -> None:
+        """A crash mid-write can leave the last line unfinished; start the next record on a line of its own."""
+        with open(self.path, "rb") as handle:
+            handle.seek(-1, 2)
+            ends_with_newline = handle.read(1) == b"\n"
+        if not ends_with_newline:
+            with open(self.path, "a") as handle:
+                handle.write("\n")
 
     def write(self, record: Dict) -> None:
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
 
-def read_records(path: Path) -> List[Dict]:
+RESUME = "resume"
+
+
+def read_records(path: Path, raw: bool = False) -> List[Dict]:
+    """The run's history: every record of a continuous run, later starts replacing what they resumed over
+    (``raw``: every line as written). Lines a crash left unfinished are skipped."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    if raw:
+        return records
+    history: List[Dict] = []
+    for record in records:
+        if record.get("event") == RESUME:
+            history = [r for r in history if r.get("step", 0) <= record["step"]]
+        history.append(record)
+    return history
 
 
 def plot_history(records: Iterable[Dict], path: Path, title: str = "") -> None:

@@ -1,8 +1,8 @@
 """The main job: a byte-level GPT on the Python standard library's sources, pseudo stage -> delink -> real stage.
 
 Started by the deepspeed launcher (``deepspeed launch/train.py --deepspeed_config configs/tiny_cpu.json``),
-torchrun, srun, or ``ds-pseudo-real train``. Resumes from ``<output-dir>/checkpoints`` when a checkpoint is there;
-on SIGUSR1/SIGTERM it saves a checkpoint at the next step boundary and exits 0.
+torchrun, srun, or ``ds-pseudo-real train``. Resumes from the newest checkpoint in ``<output-dir>/checkpoints`` that
+verifies (or ``--resume-from``); on SIGUSR1/SIGTERM it saves a checkpoint at the next step boundary and exits 0.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 import ds_pseudo_real
-from ds_pseudo_real.config import load_ds_config
+from ds_pseudo_real.checkpoint import CheckpointError
+from ds_pseudo_real.config import ConfigError, load_ds_config
 from ds_pseudo_real.data import ByteCorpus
 from ds_pseudo_real.models import GPT, GPTConfig
 from ds_pseudo_real.report import MetricsLog, plot_history, read_records
@@ -39,7 +40,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
     parser.add_argument("--log-interval", type=int, default=10, help="steps between progress lines")
     parser.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: at the end only)")
-    parser.add_argument("--no-resume", action="store_true", help="start over even if a checkpoint exists")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="start over from step 0 even if checkpoints exist (the only way to ignore them)")
+    parser.add_argument("--resume-from", default=None, metavar="TAG|PATH",
+                        help="resume from this checkpoint (a tag in <output-dir>/checkpoints, or a checkpoint folder) "
+                             "instead of the newest one that verifies")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--n-layer", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=128)
@@ -49,6 +54,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.deepspeed_config:
         parser.error("--deepspeed_config is required (e.g. configs/tiny_cpu.json)")
+    if args.no_resume and args.resume_from:
+        parser.error("--no-resume and --resume-from contradict each other: give one")
     for flag in ("steps", "eval_interval", "eval_batches", "log_interval", "n_layer", "d_model", "n_head", "seq_len"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -101,7 +108,7 @@ def single_process_defaults() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def train(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     stopper = StopOnSignal()  # first: a preemption during start-up must not kill the rank without a checkpoint
     single_process_defaults()
@@ -117,7 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head))
     engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=ds_config)
     if not args.no_resume:
-        engine.load_checkpoint(str(ckpt_dir))
+        engine.load_checkpoint(str(ckpt_dir), tag=args.resume_from)
     start_step = engine.global_steps
     corpus = ByteCorpus(max_bytes=args.corpus_bytes)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -165,7 +172,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"lr {record['lr']:.2e}", flush=True)
             window_start, window_steps = time.perf_counter(), 0
         if args.save_interval and done % args.save_interval == 0 and done < steps:
-            engine.save_checkpoint(str(ckpt_dir))
+            try:
+                engine.save_checkpoint(str(ckpt_dir))
+            except CheckpointError as error:  # every rank raises; training goes on and the next interval tries again
+                if rank == 0:
+                    print(f"[ds_pseudo_real] WARNING: {error}", file=sys.stderr, flush=True)
         if loss_sum[1].item() > 0:
             engine.save_checkpoint(str(ckpt_dir))
             print(f"saved checkpoint at step {done} on signal {stopper.received or 'from another rank'}", flush=True)
@@ -178,6 +189,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"wrote {out / 'metrics.jsonl'} and {out / 'loss.png'}", flush=True)
     print(f"rank {rank} finished at step {engine.global_steps} stage {engine.stage}", flush=True)
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``train``, with the plugin's errors as one message from rank 0 (every rank stops with exit status 2)."""
+    try:
+        return train(argv)
+    except (CheckpointError, ConfigError) as error:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -33,8 +33,10 @@ def train(engine, until):
     return losses
 
 
-def make(stage=2, policy="copy", seed=0, dtype="fp32", offload=None):
+def make(stage=2, policy="copy", seed=0, dtype="fp32", offload=None, checkpoint=None):
     cfg = config(stage, dtype, policy, switch=SWITCH)
+    if checkpoint is not None:
+        cfg["checkpoint"] = checkpoint
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}}
     if offload is not None:
         cfg["granular_offload"] = offload
@@ -71,25 +73,28 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, uninterrupted, sto
     second.engine.destroy()
 
 
-def test_crash_mid_write_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):
+def test_failed_publish_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):
     engine = make()
     train(engine, 2)
     engine.save_checkpoint(str(tmp_path))
     train(engine, 3)
 
     def crash(*args, **kwargs):
-        raise OSError("disk full")
+        raise OSError(28, "No space left on device", str(tmp_path / "global_step3.partial" / "manifest.json"))
 
     monkeypatch.setattr(ckpt, "publish", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ckpt.CheckpointError, match="No space left on device") as raised:
         engine.save_checkpoint(str(tmp_path))
     monkeypatch.undo()
-    assert (tmp_path / "global_step3.partial").is_dir()  # the half-written one is there but never named
+    assert f"the last good checkpoint is {tmp_path / 'global_step2'} (step 2)" in str(raised.value)
+    assert not (tmp_path / "global_step3.partial").exists()  # removed, never named
     assert ckpt.latest_tag(str(tmp_path)) == "global_step2"
+    engine.save_checkpoint(str(tmp_path))  # the run's state is intact: the next save succeeds
+    assert ckpt.latest_tag(str(tmp_path)) == "global_step3"
     engine.engine.destroy()
     resumed = make(seed=5)
     path, _ = resumed.load_checkpoint(str(tmp_path))
-    assert "/global_step2/" in path and resumed.global_steps == 2
+    assert "/global_step3/" in path and resumed.global_steps == 3
     resumed.engine.destroy()
 
 
@@ -160,6 +165,13 @@ def test_two_rank_pseudo_checkpoint_converts_and_loads_on_one_rank(tmp_path):
     script = Path(__file__).parent / "scripts" / "save_pseudo.py"
     proc = run_two_ranks(script, str(tmp_path / "pseudo"), str(tmp_path / "logits.pt"))
     assert "saved" in proc.stdout
+    # Resuming it as it is on 1 rank is refused before DeepSpeed reads anything, with the command that converts it.
+    same_stage = make(stage=3, seed=4)
+    with pytest.raises(ckpt.CheckpointError, match="saved by 2 ranks at ZeRO stage 3; this run has 1 ranks") as raised:
+        same_stage.load_checkpoint(str(tmp_path / "pseudo"))
+    command = f"ds-pseudo-real convert --input {tmp_path / 'pseudo'} --tag global_step3 --output {tmp_path / 'pseudo'}_converted"
+    assert command in str(raised.value) and same_stage.global_steps == 0
+    same_stage.engine.destroy()
     convert(str(tmp_path / "pseudo"), str(tmp_path / "real"))
     real = make(stage=1, seed=4)
     real.load_checkpoint(str(tmp_path / "real"))
@@ -176,5 +188,5 @@ def test_cli_convert(tmp_path):
     pseudo.engine.destroy()
     assert main(["convert", "--input", str(tmp_path / "p"), "--output", str(tmp_path / "r")]) == 0
     assert ckpt.latest_tag(str(tmp_path / "r")) == "global_step2"
-    with pytest.raises(ValueError, match="only pseudo-stage ones need converting"):
+    with pytest.raises(ValueError, match="already a converted checkpoint"):
         convert(str(tmp_path / "r"), str(tmp_path / "again"))

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from ds_pseudo_real.models.gpt import Block, GPTConfig
+from ds_pseudo_real.report import read_records
 from conftest import REPO, free_port, run_two_ranks
 
 TINY = ["--n-layer", "4", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", str(1 << 20),
@@ -30,7 +31,7 @@ def run_single(*args):
 
 
 def records(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return read_records(out / "metrics.jsonl")
 
 
 def test_main_job_trains_both_stages_writes_history_and_resumes(tmp_path):
@@ -55,6 +56,38 @@ def test_main_job_trains_both_stages_writes_history_and_resumes(tmp_path):
     assert "rank 0 finished at step 30 stage real" in log
     steps = [r["step"] for r in records(out) if "train_loss" in r]
     assert steps == list(range(1, 31))
+
+
+def test_main_job_resumes_from_a_chosen_checkpoint_keeps_history_and_never_starts_over(tmp_path):
+    out = tmp_path / "run"
+    config = str(tiny_config(tmp_path, steps=18, switch=9))
+    run_single("--deepspeed_config", config, "--output-dir", str(out), *TINY, "--save-interval", "6")
+    first = (out / "metrics.jsonl").read_bytes()
+    log = run_single("--deepspeed_config", config, "--output-dir", str(out), *TINY, "--resume-from", "global_step6")
+    assert "at step 6 (pseudo stage)" in log and "rank 0 finished at step 18 stage real" in log
+    assert (out / "metrics.jsonl").read_bytes().startswith(first)  # appended to, never rewritten
+    history = records(out)
+    assert [r["step"] for r in history if "train_loss" in r] == list(range(1, 19))
+    assert [r["step"] for r in history if r.get("event") == "delink"] == [9]
+    assert {"event": "resume", "step": 6} in history
+
+    # Every checkpoint damaged: the job stops with one message listing each, and rewrites nothing.
+    for states in (out / "checkpoints").glob("global_step*/mp_rank_00_model_states.pt"):
+        data = bytearray(states.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        states.write_bytes(bytes(data))
+    before = (out / "metrics.jsonl").read_bytes()
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--deepspeed_config", config,
+                           "--output-dir", str(out), *TINY], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: no checkpoint in {out / 'checkpoints'} can be resumed from:"]
+    for step in (6, 12, 18):
+        assert f"  global_step{step} (step {step}): mp_rank_00_model_states.pt fails its crc32 check" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (out / "metrics.jsonl").read_bytes() == before
 
 
 def test_main_job_on_two_ranks(tmp_path):

@@ -1,0 +1,333 @@
+"""Checkpoints that are verified and recoverable: a damaged newest checkpoint is moved aside and the newest one that
+verifies is resumed (with the uninterrupted run's losses); none that verifies stops with every reason; stale
+partial folders go at start; a full disk names the file and the last good checkpoint; retention keeps the last N
+and the last pseudo-stage one; a world size or ZeRO stage that cannot load says what to run; the metrics history
+is appended to, never rewritten."""
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_pseudo_real import checkpoint as ckpt
+from ds_pseudo_real.config import ConfigError, split_checkpoint_options
+from ds_pseudo_real.report import MetricsLog, read_records
+from test_checkpoints import SWITCH, TOTAL, logits, make, train
+
+SAVED_AT = (2, 3, 5, 6)  # pseudo, pseudo, real, real (the delink happens at step SWITCH = 4)
+
+
+# ---- the folder layout, without engines ---------------------------------------------------------------------
+def fake_checkpoint(root: Path, step: int, stage: str = "real", payload: bytes = b"") -> str:
+    tag = f"global_step{step}"
+    staged = root / ckpt.partial_tag(tag)
+    (staged / "sub").mkdir(parents=True)
+    (staged / "mp_rank_00_model_states.pt").write_bytes(payload or bytes(range(256)) * (40 + step))
+    (staged / "sub" / "zero_pp_rank_0_optim_states.pt").write_bytes(b"x" * 1000)
+    ckpt.publish(str(root), tag, {"stage": stage, "global_step": step, "kind": "deepspeed"})
+    return tag
+
+
+def flip_byte(path: Path, offset: int = None) -> None:
+    data = bytearray(path.read_bytes())
+    where = len(data) // 2 if offset is None else offset
+    data[where] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_manifest_lists_every_file_and_verify_finds_each_kind_of_damage(tmp_path):
+    tag = fake_checkpoint(tmp_path, 7)
+    manifest = json.loads((tmp_path / tag / ckpt.MANIFEST).read_text())
+    expected = [ckpt.SIDECAR, "mp_rank_00_model_states.pt", "sub/zero_pp_rank_0_optim_states.pt"]
+    assert sorted(manifest["files"]) == sorted(expected)
+    assert manifest["files"]["sub/zero_pp_rank_0_optim_states.pt"]["size"] == 1000
+    good = ckpt.verify(str(tmp_path), tag)
+    assert good.ok and good.files == 3 and good.nbytes == sum(f["size"] for f in manifest["files"].values())
+
+    flip_byte(tmp_path / tag / "mp_rank_00_model_states.pt")  # same size, other contents
+    assert ckpt.verify(str(tmp_path), tag).problems == ["mp_rank_00_model_states.pt fails its crc32 check "
+                                                        "(contents changed since it was saved)"]
+    assert ckpt.verify(str(tmp_path), tag, "size").ok  # what the cheaper modes cannot see
+    assert ckpt.verify(str(tmp_path), tag, "none").ok
+    path = tmp_path / tag / "sub" / "zero_pp_rank_0_optim_states.pt"
+    path.write_bytes(path.read_bytes()[:500])
+    assert "sub/zero_pp_rank_0_optim_states.pt has 500 bytes, the manifest says 1,000 (cut short or overwritten)" \
+        in ckpt.verify(str(tmp_path), tag, "size").problems
+    path.unlink()
+    assert "sub/zero_pp_rank_0_optim_states.pt is missing" in ckpt.verify(str(tmp_path), tag, "size").problems
+    (tmp_path / tag / ckpt.MANIFEST).unlink()
+    assert ckpt.verify(str(tmp_path), tag, "none").problems == [f"{ckpt.MANIFEST} is missing"]
+    (tmp_path / tag / ckpt.SIDECAR).write_bytes(b"\xff{")
+    assert ckpt.verify(str(tmp_path), tag, "none").problems == [f"{ckpt.SIDECAR} is not readable JSON"]
+
+
+def test_checksum_work_is_split_between_ranks_by_bytes():
+    sizes = {f"f{i}": size for i, size in enumerate([90, 50, 40, 30, 20, 10, 5])}
+    shares = [ckpt.share_of(sizes, rank, 3) for rank in range(3)]
+    assert sorted(n for share in shares for n in share) == sorted(sizes)  # every file exactly once
+    loads = [sum(sizes[n] for n in share) for share in shares]
+    assert loads == [90, 80, 75]
+
+
+def test_select_resume_moves_damaged_newer_ones_aside_and_repoints_latest(tmp_path, capsys):
+    for step in (2, 4, 6):
+        fake_checkpoint(tmp_path, step, stage="pseudo" if step < 4 else "real")
+    (tmp_path / "global_step6" / ckpt.SIDECAR).unlink()
+    flip_byte(tmp_path / "global_step4" / "mp_rank_00_model_states.pt")
+    tag, verdict = ckpt.select_resume(str(tmp_path))
+    assert tag == "global_step2" and verdict.ok
+    assert (tmp_path / "global_step6.invalid" / "mp_rank_00_model_states.pt").is_file()  # moved, not deleted
+    assert (tmp_path / "global_step4.invalid").is_dir() and not (tmp_path / "global_step4").exists()
+    assert (tmp_path / ckpt.LATEST).read_text() == "global_step2"
+    err = capsys.readouterr().err
+    assert f"checkpoint {tmp_path / 'global_step6'} (step 6) is damaged: {ckpt.SIDECAR} is missing; moved aside to " \
+           f"global_step6.invalid" in err
+    assert "global_step4 (step 4) is damaged: mp_rank_00_model_states.pt fails its crc32 check" in err
+    # A second damaged global_step4 later gets its own name beside the first.
+    fake_checkpoint(tmp_path, 4)
+    (tmp_path / "global_step4" / "mp_rank_00_model_states.pt").unlink()
+    assert ckpt.select_resume(str(tmp_path))[0] == "global_step2"
+    assert (tmp_path / "global_step4.invalid.2").is_dir()
+
+
+def test_select_resume_refuses_when_none_verifies_and_never_when_empty(tmp_path):
+    assert ckpt.select_resume(str(tmp_path / "absent")) is None
+    assert ckpt.select_resume(str(tmp_path)) is None
+    for step in (2, 4):
+        fake_checkpoint(tmp_path, step)
+    flip_byte(tmp_path / "global_step2" / "mp_rank_00_model_states.pt")
+    (tmp_path / "global_step4" / ckpt.MANIFEST).unlink()
+    with pytest.raises(ckpt.CheckpointError) as raised:
+        ckpt.select_resume(str(tmp_path))
+    message = str(raised.value)
+    assert f"no checkpoint in {tmp_path} can be resumed from" in message
+    assert f"global_step4 (step 4): {ckpt.MANIFEST} is missing" in message
+    assert "global_step2 (step 2): mp_rank_00_model_states.pt fails its crc32 check" in message
+    assert "--no-resume" in message and "--resume-from" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step2", "global_step4", "latest"]  # nothing moved
+    # `latest` naming a checkpoint that is gone, with no checkpoint folder left, is not a fresh start either.
+    for step in (2, 4):
+        shutil.rmtree(tmp_path / f"global_step{step}")
+    with pytest.raises(ckpt.CheckpointError, match="has a 'latest' file but no checkpoint folder"):
+        ckpt.select_resume(str(tmp_path))
+
+
+def test_latest_with_garbage_bytes_is_a_warning_not_a_traceback(tmp_path, capsys):
+    fake_checkpoint(tmp_path, 3)
+    (tmp_path / ckpt.LATEST).write_bytes(b"\xff\xfe\x00\x9c garbage")
+    assert ckpt.latest_tag(str(tmp_path)) is None
+    assert ckpt.select_resume(str(tmp_path))[0] == "global_step3"
+    assert "holds bytes that are not a tag; looking for the newest checkpoint that verifies" in capsys.readouterr().err
+    assert (tmp_path / ckpt.LATEST).read_text() == "global_step3"
+
+
+def test_stale_partial_and_retired_folders_are_cleaned_at_start(tmp_path, capsys):
+    fake_checkpoint(tmp_path, 2)
+    fake_checkpoint(tmp_path, 4)
+    (tmp_path / "global_step6.partial").mkdir()  # a save killed mid-write
+    os.replace(tmp_path / "global_step4", tmp_path / "global_step4.old")  # killed between publish's two renames
+    (tmp_path / "latest.tmp").write_text("global_st")
+    done = ckpt.remove_stale(str(tmp_path))
+    assert len(done) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step2", "global_step4", "latest"]
+    assert ckpt.verify(str(tmp_path), "global_step4").ok
+    assert f"removed {tmp_path / 'global_step6.partial'}: a save that did not finish" in capsys.readouterr().out
+
+
+def test_prune_keeps_the_last_n_and_the_last_pseudo_checkpoint(tmp_path):
+    for step, stage in ((1, "pseudo"), (2, "pseudo"), (3, "real"), (4, "real"), (5, "real")):
+        fake_checkpoint(tmp_path, step, stage)
+    (tmp_path / "global_step0.invalid").mkdir()
+    assert ckpt.prune(str(tmp_path), None) == []
+    assert ckpt.prune(str(tmp_path), 2) == ["global_step3", "global_step1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "global_step0.invalid", "global_step2", "global_step4", "global_step5", "latest"]
+
+
+def test_checkpoint_options_are_validated_and_removed_from_deepspeeds_section():
+    section = {"verify": "size", "keep_last": 3, "tag_validation": "Fail"}
+    rest, options = split_checkpoint_options({"checkpoint": section})
+    assert (options.verify, options.keep_last) == ("size", 3) and rest["checkpoint"] == {"tag_validation": "Fail"}
+    assert split_checkpoint_options({})[1].verify == "checksum"
+    bad_mode = r"checkpoint.verify: Input should be 'checksum', 'size' or 'none' \(got 'md5'\)"
+    with pytest.raises(ConfigError, match=bad_mode):
+        split_checkpoint_options({"checkpoint": {"verify": "md5"}})
+    with pytest.raises(ConfigError, match=r"checkpoint.keep_last: Input should be greater than or equal to 1"):
+        split_checkpoint_options({"checkpoint": {"keep_last": 0}})
+
+
+def test_metrics_history_is_appended_never_rewritten(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    for step in range(1, 6):
+        log.write({"step": step, "train_loss": 5.0 - step})
+    with open(path, "a") as handle:
+        handle.write('{"step": 6, "train_lo')  # a crash mid-line
+    before = path.read_bytes()
+    log = MetricsLog(path, resume_step=3)  # the checkpoint kept steps 1..3
+    for step in range(4, 7):
+        log.write({"step": step, "train_loss": 10.0 + step})
+    assert path.read_bytes().startswith(before)
+    history = read_records(path)
+    assert [r["step"] for r in history if "train_loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["train_loss"] for r in history if "train_loss" in r][2:] == [2.0, 14.0, 15.0, 16.0]
+    assert {"event": "resume", "step": 3} in history
+    assert len([r for r in read_records(path, raw=True) if "train_loss" in r]) == 8
+    MetricsLog(path, resume_step=0)  # --no-resume: an explicit fresh start supersedes everything
+    assert [r for r in read_records(path) if "train_loss" in r] == []
+
+
+# ---- through the controller -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints at SAVED_AT of one run, and that run's losses to TOTAL."""
+    folder = tmp_path_factory.mktemp("saved")
+    engine = make()
+    losses = []
+    for step in SAVED_AT:
+        losses += train(engine, step)
+        engine.save_checkpoint(str(folder))
+    losses += train(engine, TOTAL)
+    engine.engine.destroy()
+    return folder, losses
+
+
+@pytest.fixture()
+def run_dir(saved, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved[0], folder)
+    return folder
+
+
+def resume(folder, tag=None, **kwargs):
+    engine = make(seed=123, **kwargs)
+    path, _ = engine.load_checkpoint(None if folder is None else str(folder), tag)
+    return engine, path
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "no_sidecar"])
+def test_damaged_newest_checkpoint_resumes_the_previous_one_exactly(saved, run_dir, damage, capsys):
+    newest = run_dir / "global_step6"
+    if damage == "flipped":
+        flip_byte(newest / "mp_rank_00_model_states.pt")
+    elif damage == "truncated":
+        victim = newest / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    else:
+        (newest / ckpt.SIDECAR).unlink()
+    engine, path = resume(run_dir)
+    assert "/global_step5/" in path and engine.global_steps == 5 and engine.stage == "real"
+    assert (run_dir / "global_step6.invalid").is_dir() and not newest.exists()
+    assert (run_dir / ckpt.LATEST).read_text() == "global_step5"
+    captured = capsys.readouterr()
+    assert f"checkpoint {newest} (step 6) is damaged" in captured.err
+    assert f"verified {run_dir / 'global_step5'}: " in captured.out and "checksum in" in captured.out
+    assert train(engine, TOTAL) == saved[1][5:]
+    engine.engine.destroy()
+
+
+def test_verify_none_loads_without_reading_and_a_damaged_file_names_the_checkpoint(run_dir):
+    victim = run_dir / "global_step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    engine = make(seed=123, checkpoint={"verify": "none"})
+    with pytest.raises(ckpt.CheckpointError) as raised:
+        engine.load_checkpoint(str(run_dir))
+    message = str(raised.value)
+    assert f"DeepSpeed could not load checkpoint {run_dir / 'global_step6'}" in message
+    assert "it was not verified (checkpoint.verify: none)" in message
+    assert "--resume-from" in message and "global_step5" in message
+    engine.engine.destroy()
+
+
+def test_resume_from_a_tag_or_a_folder_and_an_explicit_damaged_one_fails(saved, run_dir):
+    engine, path = resume(run_dir, "global_step3")
+    assert engine.global_steps == 3 and engine.stage == "pseudo"
+    assert train(engine, TOTAL) == saved[1][3:]
+    engine.engine.destroy()
+    engine, path = resume(None, str(run_dir / "global_step5"))
+    assert engine.global_steps == 5 and engine.stage == "real"
+    engine.engine.destroy()
+    flip_byte(run_dir / "global_step2" / "mp_rank_00_model_states.pt")
+    engine = make(seed=123)
+    with pytest.raises(ckpt.CheckpointError, match="global_step2 cannot be loaded: mp_rank_00_model_states.pt fails"):
+        engine.load_checkpoint(str(run_dir), "global_step2")
+    with pytest.raises(ckpt.CheckpointError, match="--resume-from 'global_step9': no such checkpoint"):
+        engine.load_checkpoint(str(run_dir), "global_step9")
+    assert (run_dir / "global_step2").is_dir()  # an explicit choice is reported, not moved
+    engine.engine.destroy()
+
+
+def test_another_zero_stage_is_refused_with_the_convert_command_that_works(saved, run_dir):
+    expected = logits_at(run_dir, "global_step5")
+    engine = make(stage=1, seed=123)
+    refused = "saved by 1 ranks at ZeRO stage 2; this run has 1 ranks at ZeRO stage 1"
+    with pytest.raises(ckpt.CheckpointError, match=refused) as raised:
+        engine.load_checkpoint(str(run_dir), "global_step5")
+    assert engine.global_steps == 0  # refused before DeepSpeed loaded anything
+    command = str(raised.value).split("\n")[1].split()
+    assert command[:2] == ["ds-pseudo-real", "convert"]
+    from ds_pseudo_real.cli import main
+
+    assert main(command[1:]) == 0  # a real-stage checkpoint converts too
+    converted = Path(command[command.index("--output") + 1]) / "global_step5"
+    engine.load_checkpoint(None, str(converted))
+    assert engine.global_steps == 5 and engine.stage == "real"
+    assert torch.equal(logits(engine), expected)
+    engine.engine.destroy()
+
+
+def logits_at(folder, tag):
+    engine, _ = resume(folder, tag)
+    out = logits(engine)
+    engine.engine.destroy()
+    return out
+
+
+def test_keep_last_keeps_the_newest_and_the_last_pseudo_checkpoint(tmp_path):
+    engine = make(checkpoint={"keep_last": 2})
+    for step in SAVED_AT:
+        train(engine, step)
+        engine.save_checkpoint(str(tmp_path))
+    engine.engine.destroy()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step3", "global_step5", "global_step6"]
+    assert ckpt.read_sidecar(str(tmp_path), "global_step3")["stage"] == "pseudo"
+
+
+def mount_tmpfs(path: Path, size: int) -> None:
+    options = f"size={size}" if not path.is_mount() else f"remount,size={size}"
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"a small file system is needed to fill the disk for real; mount failed: {proc.stderr.strip()}")
+
+
+def test_disk_full_names_the_file_and_the_last_good_checkpoint_and_the_next_save_succeeds(saved, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount_tmpfs(disk, 64 << 20)
+    try:
+        engine = make()
+        train(engine, 2)
+        engine.save_checkpoint(str(disk))
+        one = sum(f.stat().st_size for f in (disk / "global_step2").rglob("*") if f.is_file())
+        mount_tmpfs(disk, one * 3 // 2)  # room for half of the next checkpoint
+        train(engine, 3)
+        with pytest.raises(ckpt.CheckpointError) as raised:
+            engine.save_checkpoint(str(disk))
+        message = str(raised.value)
+        assert "No space left on device" in message and str(disk / "global_step3.partial") in message
+        assert f"the last good checkpoint is {disk / 'global_step2'} (step 2)" in message
+        assert sorted(p.name for p in disk.iterdir() if p.is_dir()) == ["global_step2"]  # the partial folder is gone
+        mount_tmpfs(disk, 64 << 20)  # space freed
+        engine.save_checkpoint(str(disk))
+        assert ckpt.verify(str(disk), "global_step3").ok
+        engine.engine.destroy()
+        engine, _ = resume(disk)
+        assert engine.global_steps == 3 and train(engine, TOTAL) == saved[1][3:]
+        engine.engine.destroy()
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
