@@ -15,6 +15,7 @@ import torch
 from ds_pseudo_real import checkpoint as ckpt
 from ds_pseudo_real.config import ConfigError, split_checkpoint_options
 from ds_pseudo_real.report import MetricsLog, read_records
+from conftest import run_two_ranks
 from test_checkpoints import SWITCH, TOTAL, logits, make, train
 
 SAVED_AT = (2, 3, 5, 6)  # pseudo, pseudo, real, real (the delink happens at step SWITCH = 4)
@@ -331,3 +332,16 @@ def test_disk_full_names_the_file_and_the_last_good_checkpoint_and_the_next_save
         engine.engine.destroy()
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_write_failing_on_one_of_two_ranks_raises_on_both_and_the_run_goes_on(tmp_path):
+    proc = run_two_ranks(Path(__file__).parent / "scripts" / "save_failure.py", str(tmp_path / "ckpt"))
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["errors"][0] == result["errors"][1]  # the same error on both ranks, and no hang
+    message = result["errors"][0]
+    assert message.startswith(f"could not save checkpoint {tmp_path / 'ckpt' / 'global_step3'} (rank 1): OSError: "
+                              f"[Errno 28] No space left on device: ")
+    assert "optim_states.pt" in message
+    assert f"the last good checkpoint is {tmp_path / 'ckpt' / 'global_step2'} (step 2)" in message
+    assert not result["partial_left"] and result["latest"] == "global_step3"
+    assert result["resumed_step"] == 3 and result["same_tail"]

@@ -1,0 +1,64 @@
+"""2-rank helper: rank 1's optimizer-state file fails to write (ENOSPC) during the second save. Every rank must raise
+the same CheckpointError (no hang), the partial folder must be gone, and the next save and a resume must work.
+Prints one JSON line on rank 0."""
+import json
+import os
+import sys
+
+import deepspeed
+import torch.distributed as dist
+
+import ds_pseudo_real
+from ds_pseudo_real import checkpoint as ckpt
+from delink_matrix import config, fixed_batch, tiny_gpt
+
+folder = sys.argv[1]
+deepspeed.init_distributed()
+rank = dist.get_rank()
+
+
+def train(engine, until):
+    losses = []
+    while engine.global_steps < until:
+        loss = engine(*fixed_batch(10 + rank + 2 * engine.global_steps))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(2, "fp32", "copy", switch=100))
+train(engine, 2)
+engine.save_checkpoint(folder)
+train(engine, 3)
+real_save = ckpt.save_with_checksum
+
+
+def full_disk_on_rank1(save, path):
+    if rank == 1 and "optim_states" in path:
+        raise OSError(28, "No space left on device", path)
+    return real_save(save, path)
+
+
+ckpt.save_with_checksum = full_disk_on_rank1
+try:
+    engine.save_checkpoint(folder)
+    error = None
+except ckpt.CheckpointError as raised:
+    error = str(raised)
+ckpt.save_with_checksum = real_save
+dist.barrier()
+partial_left = os.path.exists(os.path.join(folder, "global_step3.partial"))
+engine.save_checkpoint(folder)
+tail = train(engine, 5)
+engine.engine.destroy()
+
+resumed, *_ = ds_pseudo_real.initialize(model=tiny_gpt(seed=7), config=config(2, "fp32", "copy", switch=100))
+resumed.load_checkpoint(folder)
+resumed_step = resumed.global_steps
+resumed_tail = train(resumed, 5)
+errors = [None] * 2
+dist.all_gather_object(errors, error)
+if rank == 0:
+    print(json.dumps({"errors": errors, "partial_left": partial_left, "latest": ckpt.latest_tag(folder),
+                      "resumed_step": resumed_step, "same_tail": tail == resumed_tail}), flush=True)
