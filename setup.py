@@ -14,7 +14,9 @@ setup(
     install_requires=["torch", "deepspeed>=0.19", "pydantic>=2", "numpy", "matplotlib", "ninja"],
     extras_require={
         "megatron": ["megatron-core==0.16.1"],
-        "test": ["pytest>=8", "megatron-core==0.16.1"],
+        "hf": ["transformers>=4.40"],
+        "monitor": ["tensorboard"],
+        "test": ["pytest>=8", "megatron-core==0.16.1", "transformers>=4.40", "tensorboard"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["ds-pseudo-real=ds_pseudo_real.cli:main"]},

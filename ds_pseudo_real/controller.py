@@ -22,7 +22,16 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import ds_state
 from .callbacks import PSEUDO, REAL, CallbackList, TrainingCallback, TrainingControl, TrainingState
-from .config import ConfigError, OptimizerStatePolicy, PlateauMetric, PseudoToRealConfig, split_checkpoint_options
+from .config import (
+    MAIN_JOB_SECTIONS,
+    PLUGIN_SECTIONS,
+    SECTION,
+    ConfigError,
+    OptimizerStatePolicy,
+    PlateauMetric,
+    PseudoToRealConfig,
+    split_checkpoint_options,
+)
 from .sharing import (
     apply_sharing,
     delink_layers,
@@ -36,7 +45,6 @@ from .sharing import (
 from .transition import StageTransitionCallback, member_moments, rewarmup_factor
 
 CLIENT_KEY = ckpt.CLIENT_KEY
-PLUGIN_SECTIONS = ("pseudo_to_real", "granular_offload")
 
 
 def is_rank0() -> bool:
@@ -153,7 +161,7 @@ class PseudoToRealController:
         self.config = ptr_config
         ds_config, self.checkpoint_options = split_checkpoint_options(ds_config)
         self._prepared_dirs: set = set()
-        self.ds_config = {k: v for k, v in ds_config.items() if k not in PLUGIN_SECTIONS}
+        self.ds_config = {k: v for k, v in ds_config.items() if k not in PLUGIN_SECTIONS + MAIN_JOB_SECTIONS}
         self.full_ds_config = ds_config
         self._optimizer_factory = optimizer
         self._params_fn = model_parameters
@@ -163,6 +171,10 @@ class PseudoToRealController:
         self.num_layers = len(get_layer_list(model, self.layer_path))
         self.groups = ptr_config.groups if ptr_config.enabled else self.num_layers
         sharing_groups(self.num_layers, self.groups)  # fails early, naming the key, if groups does not divide L
+        if SECTION not in ds_config:
+            log_rank0(f"no '{SECTION}' section in the config: Pseudo-to-Real is off, the real model trains from step 0")
+        elif not ptr_config.enabled:
+            log_rank0(f"{SECTION}.enabled is false: Pseudo-to-Real is off, the real model trains from step 0")
         if ptr_config.enabled:
             apply_sharing(model, self.layer_path, self.groups)
         self._skeleton = meta_skeleton(model)
@@ -178,6 +190,7 @@ class PseudoToRealController:
         self.last_transition: Optional[Dict[str, Any]] = None
         self.offload_plan = None
         self.engine = None
+        self._monitor = None
         self.engine, self.optimizer, self.training_dataloader, self.lr_scheduler = self._initialize(
             model, training_data, collate_fn
         )
@@ -211,6 +224,8 @@ class PseudoToRealController:
             from .offload import attach_to_engine
 
             attach_to_engine(engine)
+        if self._monitor is not None:  # one TensorBoard/CSV/W&B writer for the whole run, across the delink
+            engine.monitor = self._monitor
         target = ds_state.basic_optimizer(engine)
         if target is not None:
             target.register_step_pre_hook(self._scale_lr)
@@ -243,7 +258,10 @@ class PseudoToRealController:
                 self.state.tokens_seen += first.numel() * self.engine.dp_world_size
         return self.engine(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, **kwargs):
+    def backward(self, loss, **kwargs):
+        """``loss`` is a tensor, or a model output object holding one as ``.loss`` (Hugging Face ``ModelOutput``)."""
+        if not torch.is_tensor(loss) and torch.is_tensor(getattr(loss, "loss", None)):
+            loss = loss.loss
         if self._track_train_loss:
             value = loss.detach().float()
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
@@ -302,6 +320,7 @@ class PseudoToRealController:
         remove_hooks = getattr(ds_state.basic_optimizer(self.engine), "remove_hooks", None)
         if remove_hooks is not None:  # granular offload's fetch and gradient hooks live on the old model
             remove_hooks()
+        self._monitor = self.engine.monitor
         self.engine.destroy()
         self.engine = self.optimizer = self.lr_scheduler = None
         gc.collect()

@@ -12,30 +12,32 @@ from typing import Dict, Iterable, List, Mapping, Sequence
 import torch
 from torch import nn
 
+from .config import ConfigError
+
 
 def get_layer_list(model: nn.Module, path: str) -> nn.ModuleList:
     """Return the ``nn.ModuleList`` at dotted ``path`` (e.g. ``"layers"`` or ``"transformer.h"``)."""
     module = model
     for part in path.split("."):
         if not hasattr(module, part):
-            raise ValueError(
+            raise ConfigError(
                 f"pseudo_to_real.layers: {type(model).__name__} has no attribute path {path!r} "
                 f"(stopped at {part!r}); name the model's layer list, e.g. 'layers' or 'transformer.h'"
             )
         module = getattr(module, part)
     if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-        raise ValueError(
+        raise ConfigError(
             f"pseudo_to_real.layers: {path!r} is a {type(module).__name__}, expected an nn.ModuleList or nn.Sequential"
         )
     if len(module) == 0:
-        raise ValueError(f"pseudo_to_real.layers: {path!r} is empty")
+        raise ConfigError(f"pseudo_to_real.layers: {path!r} is empty")
     return module
 
 
 def sharing_groups(num_layers: int, groups: int) -> List[range]:
     """Split ``num_layers`` into ``groups`` runs of consecutive layers of equal length."""
     if groups < 1 or num_layers % groups != 0:
-        raise ValueError(
+        raise ConfigError(
             f"pseudo_to_real.groups: got {groups}; it must be >= 1 and divide the number of layers ({num_layers}); "
             f"accepted values: {[g for g in range(1, num_layers + 1) if num_layers % g == 0]}"
         )

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 import ds_pseudo_real
 from ds_pseudo_real.checkpoint import CheckpointError
-from ds_pseudo_real.config import ConfigError, load_ds_config
+from ds_pseudo_real.config import SECTION, ConfigError, check_top_level_keys, load_ds_config, parse_pseudo_to_real
 from ds_pseudo_real.data import ByteCorpus
-from ds_pseudo_real.models import GPT, GPTConfig
+from ds_pseudo_real.models.build import build_model, model_spec, parameter_groups
 from ds_pseudo_real.report import MetricsLog, plot_history, read_records
 
 DEFAULT_STEPS = 600
@@ -46,10 +46,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="resume from this checkpoint (a tag in <output-dir>/checkpoints, or a checkpoint folder) "
                              "instead of the newest one that verifies")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--n-layer", type=int, default=8)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--n-layer", type=int, default=None, help="GPT layers (default: the gpt section, else 8)")
+    parser.add_argument("--d-model", type=int, default=None, help="GPT width (default: the gpt section, else 128)")
+    parser.add_argument("--n-head", type=int, default=None, help="GPT heads (default: the gpt section, else 4)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="sequence length (default: the model section's, else 128)")
     parser.add_argument("--corpus-bytes", type=int, default=8 << 20, help="bytes of training text to load")
     args = parser.parse_args(argv)
     if not args.deepspeed_config:
@@ -60,8 +61,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if args.d_model % args.n_head:
-        parser.error(f"--d-model ({args.d_model}) must be divisible by --n-head ({args.n_head})")
     return args
 
 
@@ -83,16 +82,65 @@ def default_steps(ds_config: dict) -> int:
 
 
 @torch.no_grad()
-def evaluate(engine, corpus: ByteCorpus, args, batch_size: int, rank: int, world: int) -> float:
+def evaluate(engine, corpus, args, batch_size: int, seq_len: int, rank: int, world: int) -> float:
     engine.eval()
     total = torch.zeros(1)
     for i in range(args.eval_batches):
-        x, y = corpus.batch("val", batch_size, args.seq_len, seed=1234, step=i, rank=rank)
+        x, y = corpus.batch("val", batch_size, seq_len, seed=1234, step=i, rank=rank)
         total += engine(x.to(engine.device), y.to(engine.device)).float().cpu()
     engine.train()
     if world > 1:
         dist.all_reduce(total)
     return total.item() / (args.eval_batches * world)
+
+
+def switch_step(engine, ptr) -> Optional[int]:
+    """The step the delink is planned at, while it is ahead (a step trigger only: tokens and plateaus are not known)."""
+    if engine.stage != "pseudo" or ptr.switch.at_step is None:
+        return None
+    return ptr.switch.at_step
+
+
+def progress(done: int, start: int, steps: int, switch: Optional[int], run_start: float) -> str:
+    """ETA from this run's mean step time so far, and the time to the switch when one is planned."""
+    per_step = (time.perf_counter() - run_start) / max(done - start, 1)
+    text = f"eta {format_seconds(per_step * (steps - done))}"
+    if switch is not None and switch > done:
+        text += f" | switch in {switch - done} steps (~{format_seconds(per_step * (switch - done))})"
+    return text
+
+
+def format_seconds(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
+
+
+def default_monitor_paths(ds_config: dict, out: Path) -> List[str]:
+    """DeepSpeed's monitors enabled in the config; tensorboard and csv_monitor write under the run folder unless
+    their section gives an ``output_path``."""
+    enabled = []
+    for name in MONITORS:
+        section = ds_config.get(name)
+        if isinstance(section, dict) and section.get("enabled"):
+            enabled.append(name)
+            if name in ("tensorboard", "csv_monitor") and not section.get("output_path"):
+                section["output_path"] = str(out / name)
+    return enabled
+
+
+def write_monitor(engine, events: dict, step: int, tokens_per_step: int) -> None:
+    """The main job's scalars through DeepSpeed's own monitor (rank 0; DeepSpeed 0.19.8 logs the LR itself), against
+    samples like DeepSpeed's own ``Train/Samples/*`` events."""
+    monitor = engine.monitor
+    if not monitor.enabled or dist.get_rank() != 0:
+        return
+    samples = engine.global_samples
+    monitor.write_events([(f"Train/Samples/{name}", value, samples) for name, value in events.items()]
+                         + [("Train/Samples/tokens", step * tokens_per_step, samples)])
 
 
 def single_process_defaults() -> None:
@@ -116,19 +164,28 @@ def train(argv: Optional[List[str]] = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"rank {rank}/{world} started on {os.uname().nodename}", flush=True)
     ds_config = load_ds_config(args.deepspeed_config)
+    check_top_level_keys(ds_config)
+    ptr = parse_pseudo_to_real(ds_config)
     steps = args.steps or default_steps(ds_config)
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     ckpt_dir = out / "checkpoints"
+    corpus = ByteCorpus(max_bytes=args.corpus_bytes)
+    flags = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "seq_len": args.seq_len}
+    spec = model_spec(ds_config, flags, vocab_size=256, world_size=world, groups=ptr.groups if ptr.enabled else 1)
+    if SECTION in ds_config:
+        ds_config[SECTION].setdefault("layers", spec.layers)
+    monitors = default_monitor_paths(ds_config, out)
+    if rank == 0:
+        print(f"model: {spec.describe()}; DeepSpeed monitors: {', '.join(monitors) or 'none'}", flush=True)
 
-    torch.manual_seed(args.seed)
-    model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head))
-    engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=ds_config)
+    model = build_model(spec, seed=args.seed)
+    engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=ds_config, model_parameters=parameter_groups(spec))
     if not args.no_resume:
         engine.load_checkpoint(str(ckpt_dir), tag=args.resume_from)
     start_step = engine.global_steps
-    corpus = ByteCorpus(max_bytes=args.corpus_bytes)
+    seq_len = spec.seq_len
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    tokens_per_step = micro * gas * args.seq_len * world
+    tokens_per_step = micro * gas * seq_len * world
     log = MetricsLog(out / "metrics.jsonl", resume_step=start_step) if rank == 0 else None
     if rank == 0:
         print(f"training {steps} steps from step {start_step}: {tokens_per_step} tokens/step, stage {engine.stage}, "
@@ -136,12 +193,13 @@ def train(argv: Optional[List[str]] = None) -> int:
 
     seen_transition = engine.last_transition
     window_start, window_steps = time.perf_counter(), 0
+    run_start = time.perf_counter()
     while engine.global_steps < steps:
         step = engine.global_steps
         stage = engine.stage
         loss_sum = torch.zeros(2)
         for m in range(gas):
-            x, y = corpus.batch("train", micro, args.seq_len, args.seed, step * gas + m, rank)
+            x, y = corpus.batch("train", micro, seq_len, args.seed, step * gas + m, rank)
             loss = engine(x.to(engine.device), y.to(engine.device))
             engine.backward(loss)
             engine.step()
@@ -154,23 +212,29 @@ def train(argv: Optional[List[str]] = None) -> int:
         window_steps += 1
         record = {"step": done, "stage": stage, "train_loss": round(train_loss, 5),
                   "lr": engine.optimizer.param_groups[0]["lr"], "tokens": done * tokens_per_step}
+        events = {"train_loss": train_loss, "stage": 0.0 if stage == "pseudo" else 1.0}
         if engine.last_transition is not seen_transition:
             seen_transition = engine.last_transition
+            events["delink"] = float(seen_transition["parameters_after"])
             if log:
                 event = {k: v for k, v in seen_transition.items() if not k.startswith("offload_plan")}
                 log.write({"event": "delink", **event})
         if done % args.eval_interval == 0 or done == steps:
-            record["val_loss"] = round(evaluate(engine, corpus, args, micro, rank, world), 5)
+            record["val_loss"] = round(evaluate(engine, corpus, args, micro, seq_len, rank, world), 5)
+            events["val_loss"] = record["val_loss"]
             engine.report_eval({"val_loss": record["val_loss"]})
         if log:
             log.write(record)
         if rank == 0 and (done % args.log_interval == 0 or "val_loss" in record or done == steps):
             elapsed = time.perf_counter() - window_start
             rate = window_steps * tokens_per_step / max(elapsed, 1e-9)
+            events["tokens_per_s"] = rate
             val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
             print(f"step {done}/{steps} | stage {stage} | loss {train_loss:.4f}{val} | {rate:,.0f} tokens/s | "
-                  f"lr {record['lr']:.2e}", flush=True)
+                  f"lr {record['lr']:.2e} | {progress(done, start_step, steps, switch_step(engine, ptr), run_start)}",
+                  flush=True)
             window_start, window_steps = time.perf_counter(), 0
+        write_monitor(engine, events, done, tokens_per_step)
         if args.save_interval and done % args.save_interval == 0 and done < steps:
             try:
                 engine.save_checkpoint(str(ckpt_dir))

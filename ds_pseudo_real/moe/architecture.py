@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ds_pseudo_real import sharing
+from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.moe.routing import check_prototypes
 
 
@@ -39,7 +40,7 @@ class M6Architecture:
     def __post_init__(self):
         check_prototypes(self.num_experts, self.num_prototypes)
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"m6.hidden_size {self.hidden_size} is not divisible by m6.num_heads {self.num_heads}")
+            raise ConfigError(f"m6.hidden_size {self.hidden_size} is not divisible by m6.num_heads {self.num_heads}")
 
 
 # 48 x 10240 x 2 x 1024 x 9984 = 1.005e13 expert parameters; vocabulary (BERT-Chinese size) and sequence length chosen.
@@ -95,11 +96,11 @@ def architecture_from_dict(raw: Mapping[str, Any]) -> M6Architecture:
     fields = {f.name for f in dataclasses.fields(M6Architecture)}
     unknown = sorted(set(raw) - fields - {"preset"})
     if unknown:
-        raise ValueError(f"m6: unknown key(s) {unknown}; accepted: {sorted(fields | {'preset'})}")
+        raise ConfigError(f"m6: unknown key(s) {unknown}; accepted: {sorted(fields | {'preset'})}")
     preset = raw.pop("preset", None)
     if preset is not None:
         if preset not in PRESETS:
-            raise ValueError(f"m6.preset: got {preset!r}, expected one of {sorted(PRESETS)}")
+            raise ConfigError(f"m6.preset: got {preset!r}, expected one of {sorted(PRESETS)}")
         return dataclasses.replace(PRESETS[preset], **raw)
     return M6Architecture(**raw)
 
@@ -110,7 +111,7 @@ def parse_m6_section(raw: Mapping[str, Any]) -> Tuple[M6Architecture, int]:
     expert_parallel = raw.pop("expert_parallel", 1)
     arch = architecture_from_dict(raw)
     if not isinstance(expert_parallel, int) or expert_parallel < 1 or arch.num_experts % expert_parallel:
-        raise ValueError(f"m6.expert_parallel: got {expert_parallel!r}; it must be a positive integer dividing "
+        raise ConfigError(f"m6.expert_parallel: got {expert_parallel!r}; it must be a positive integer dividing "
                          f"the {arch.num_experts} experts")
     return arch, expert_parallel
 

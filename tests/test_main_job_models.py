@@ -1,0 +1,151 @@
+"""The main job trains what the config names: the M6 expert-prototyping MoE from the ``m6`` section (1 rank, and 2
+ranks with EP=2), a Hugging Face causal LM from a local config, with DeepSpeed's monitors; unknown sections and bad
+values stop it before any model is built, with one message."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ds_pseudo_real
+from ds_pseudo_real.config import ConfigError
+from ds_pseudo_real.moe.architecture import M6_TINY, embedding_parameters, layer_parameters
+from ds_pseudo_real.report import read_records
+from conftest import REPO, free_port, run_two_ranks
+
+RUN = ["--eval-interval", "4", "--eval-batches", "2", "--log-interval", "4", "--corpus-bytes", str(1 << 20)]
+
+
+def m6_config(tmp_path, steps=8, switch=4, **sections):
+    cfg = json.loads((REPO / "configs" / "m6_tiny.json").read_text())
+    del cfg["granular_offload"]
+    cfg["scheduler"] = {"type": "WarmupDecayLR",
+                        "params": {"warmup_num_steps": 2, "warmup_max_lr": 3e-3, "total_num_steps": steps}}
+    cfg["pseudo_to_real"]["switch"] = {"at_step": switch}
+    cfg.update(sections)
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def run_job(*args, expect=0):
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == expect, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def m6_parameters(layers_held, ep=1):
+    arch = dataclasses.replace(M6_TINY, vocab_size=256)  # the byte corpus's vocabulary
+    return embedding_parameters(arch) + layers_held * layer_parameters(arch, ep)
+
+
+def test_m6_section_trains_the_moe_with_a_delink_and_deepspeeds_monitors(tmp_path):
+    monitors = {"csv_monitor": {"enabled": True, "job_name": "m6"}, "tensorboard": {"enabled": True, "job_name": "m6"}}
+    out = tmp_path / "run"
+    log = run_job("--deepspeed_config", str(m6_config(tmp_path, **monitors)), "--output-dir", str(out), *RUN).stdout
+    assert "model: m6 model, 4 layers, sequence 32, vocabulary 256, preset m6-tiny, expert_parallel 1" in log
+    delink = [r for r in read_records(out / "metrics.jsonl") if r.get("event") == "delink"]
+    assert len(delink) == 1 and delink[0]["step"] == 4
+    assert (delink[0]["parameters_before"], delink[0]["parameters_after"]) == (m6_parameters(1), m6_parameters(4))
+    val = {r["step"]: r["val_loss"] for r in read_records(out / "metrics.jsonl") if "val_loss" in r}
+    assert sorted(val) == [4, 8] and val[8] < val[4] < 5.5  # below a uniform guess over 256 bytes (5.55)
+    csv = out / "csv_monitor" / "m6"
+    rows = (csv / "Train_Samples_val_loss.csv").read_text().splitlines()
+    assert rows[0] == "step,val_loss" and [float(r.split(",")[1]) for r in rows[1:]] == [val[4], val[8]]
+    assert (csv / "Train_Samples_delink.csv").read_text().splitlines()[1:] == [f"16,{float(m6_parameters(4))}"]
+    stages = [r.split(",")[1] for r in (csv / "Train_Samples_stage.csv").read_text().splitlines()[1:]]
+    assert stages == ["0.0"] * 4 + ["1.0"] * 4
+    assert len((csv / "Train_Samples_train_loss.csv").read_text().splitlines()) == 9
+    assert (csv / "Train_Samples_lr.csv").is_file()  # DeepSpeed's own event
+    assert list((out / "tensorboard" / "m6").glob("events.out.tfevents.*"))
+
+
+def test_m6_on_two_ranks_spreads_the_experts(tmp_path):
+    out = tmp_path / "run2"
+    proc = run_two_ranks(REPO / "launch" / "train.py", "--deepspeed_config", str(m6_config(tmp_path)),
+                         "--output-dir", str(out), *RUN)
+    assert "expert_parallel 2" in proc.stdout
+    assert "rank 0 finished at step 8 stage real" in proc.stdout and "rank 1 finished at step 8 stage real" in proc.stdout
+    delink = [r for r in read_records(out / "metrics.jsonl") if r.get("event") == "delink"][0]
+    # Each rank holds half of every layer's experts.
+    assert (delink["parameters_before"], delink["parameters_after"]) == (m6_parameters(1, 2), m6_parameters(4, 2))
+
+
+def test_hugging_face_gpt2_from_a_local_config(tmp_path):
+    pytest.importorskip("transformers", reason="the hf model section needs transformers (the project's [hf] extra)")
+    cfg = json.loads(m6_config(tmp_path).read_text())
+    del cfg["m6"], cfg["pseudo_to_real"]["layers"]  # found from the model type
+    cfg["hf"] = {"config": {"model_type": "gpt2", "n_layer": 4, "n_embd": 32, "n_head": 2, "vocab_size": 256,
+                            "n_positions": 64}}
+    path = tmp_path / "hf.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "hf"
+    log = run_job("--deepspeed_config", str(path), "--output-dir", str(out), "--seq-len", "32", *RUN).stdout
+    assert "model: hf model, 4 layers, sequence 32, vocabulary 256, model_type gpt2" in log
+    delink = [r for r in read_records(out / "metrics.jsonl") if r.get("event") == "delink"][0]
+    import transformers
+
+    real = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=256,
+                                                                n_positions=64))
+    block = sum(p.numel() for p in real.transformer.h[0].parameters())
+    assert delink["parameters_after"] == sum(p.numel() for p in real.parameters())
+    assert delink["parameters_after"] - delink["parameters_before"] == 3 * block
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"pseudo_to_reel": {"switch": {"at_step": 2}}},
+     "pseudo_to_reel: unknown top-level key, known to neither DeepSpeed nor ds_pseudo_real; did you mean 'pseudo_to_real'?"),
+    ({"m6x": {}}, "m6x: unknown top-level key, known to neither DeepSpeed nor ds_pseudo_real; did you mean 'm6'?"),
+    ({"m6": {"preset": "m6-100t"}}, "m6.preset: got 'm6-100t', expected one of"),
+    ({"m6": {"preset": "m6-tiny", "expert_parallel": 3}}, "m6.expert_parallel: got 3; it must divide both the 8 experts"),
+    ({"pseudo_to_real": {"groups": 3}}, "pseudo_to_real.groups: got 3; it must be >= 1 and divide the number of layers (4)"),
+    ({"gpt": {"n_layer": 2}}, "the config has the model sections ['gpt', 'm6']"),
+], ids=["misspelled-section", "m6x", "preset", "expert-parallel", "groups", "two-models"])
+def test_config_errors_stop_before_the_model_with_one_message(tmp_path, change, message):
+    out = tmp_path / "bad"
+    proc = run_job("--deepspeed_config", str(m6_config(tmp_path, **change)), "--output-dir", str(out), *RUN, expect=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert "model:" not in proc.stdout and not out.exists()  # nothing built, nothing written
+
+
+def test_without_the_section_the_job_says_pseudo_to_real_is_off(tmp_path):
+    cfg = json.loads(m6_config(tmp_path).read_text())
+    del cfg["pseudo_to_real"]
+    path = tmp_path / "off.json"
+    path.write_text(json.dumps(cfg))
+    log = run_job("--deepspeed_config", str(path), "--output-dir", str(tmp_path / "off"), "--steps", "2", *RUN).stdout
+    assert "no 'pseudo_to_real' section in the config: Pseudo-to-Real is off, the real model trains from step 0" in log
+    assert "rank 0 finished at step 2 stage real" in log
+
+
+def test_initialize_refuses_unknown_sections_and_takes_model_outputs_with_a_loss():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ConfigError, match="zero_optimisation: unknown top-level key.*did you mean 'zero_optimization'"):
+        ds_pseudo_real.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimisation": {}})
+
+    class WithOutput(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return type("Output", (), {"loss": x.pow(2).mean(), "logits": x})()
+
+    torch.manual_seed(0)
+    engine, *_ = ds_pseudo_real.initialize(model=WithOutput(), config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "pseudo_to_real": {"switch": {"at_step": 1}}})
+    x = torch.randn(2, 4)
+    first = engine(x)
+    engine.backward(first)  # the output object, not its loss
+    engine.step()
+    assert engine.stage == "real" and engine(x).loss.item() < first.loss.item()
+    engine.engine.destroy()
