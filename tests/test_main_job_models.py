@@ -149,3 +149,18 @@ def test_initialize_refuses_unknown_sections_and_takes_model_outputs_with_a_loss
     engine.step()
     assert engine.stage == "real" and engine(x).loss.item() < first.loss.item()
     engine.engine.destroy()
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.json")))
+def test_shipped_configs_are_accepted_by_the_main_job(name):
+    from ds_pseudo_real.config import check_top_level_keys, parse_pseudo_to_real
+    from ds_pseudo_real.models.build import model_spec
+
+    cfg = json.loads((REPO / "configs" / name).read_text())
+    check_top_level_keys(cfg)
+    ptr = parse_pseudo_to_real(cfg)
+    world = cfg.get("m6", {}).get("expert_parallel", 2)  # the rank count the config is written for
+    spec = model_spec(cfg, {}, vocab_size=256, world_size=world, groups=ptr.groups if ptr.enabled else 1)
+    if "m6" in cfg:
+        assert spec.kind == "m6" and spec.options["preset"] == cfg["m6"]["preset"]
+        assert spec.options["expert_parallel"] == world
