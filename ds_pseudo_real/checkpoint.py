@@ -31,6 +31,7 @@ RETIRED_SUFFIX = ".old"
 SIDECAR_FORMAT = 2  # 1: no manifest (written before verification existed)
 CHUNK = 16 << 20
 _STEP_IN_TAG = re.compile(r"(\d+)$")
+_DEFAULT_TAG = re.compile(r"global_step\d+")  # the tag DeepSpeed and the plugin give a checkpoint by default
 
 FileEntry = Dict[str, Any]  # {"size": bytes, "crc32": "8 hex digits"}
 
@@ -288,7 +289,7 @@ def _read_json(path: Path) -> Optional[Dict[str, Any]]:
 
 
 def _looks_like_checkpoint(path: Path) -> bool:
-    if (path / SIDECAR).exists() or (path / MANIFEST).exists() or _STEP_IN_TAG.search(path.name):
+    if (path / SIDECAR).exists() or (path / MANIFEST).exists() or _DEFAULT_TAG.fullmatch(path.name):
         return True
     return any(path.glob("*model_states.pt"))
 

@@ -78,7 +78,9 @@ def test_select_resume_moves_damaged_newer_ones_aside_and_repoints_latest(tmp_pa
         fake_checkpoint(tmp_path, step, stage="pseudo" if step < 4 else "real")
     (tmp_path / "global_step6" / ckpt.SIDECAR).unlink()
     flip_byte(tmp_path / "global_step4" / "mp_rank_00_model_states.pt")
+    (tmp_path / "notes9").mkdir()  # a folder of the user's: never a candidate, never moved
     tag, verdict = ckpt.select_resume(str(tmp_path))
+    assert (tmp_path / "notes9").is_dir()
     assert tag == "global_step2" and verdict.ok
     assert (tmp_path / "global_step6.invalid" / "mp_rank_00_model_states.pt").is_file()  # moved, not deleted
     assert (tmp_path / "global_step4.invalid").is_dir() and not (tmp_path / "global_step4").exists()
