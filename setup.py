@@ -5,6 +5,10 @@ version is pinned here so that pip never replaces the one already installed.
 """
 from setuptools import find_packages, setup
 
+# What Megatron-LM's training package (a checkout on PYTHONPATH, see README "Megatron-LM") imports beyond
+# megatron-core: pretrain_gpt.py's initialize imports triton unconditionally, even on CPU.
+MEGATRON_LM = ["megatron-core==0.16.1", "six", "regex", "einops", "pyyaml", "triton"]
+
 setup(
     name="ds_pseudo_real",
     version="0.1.0",
@@ -14,9 +18,10 @@ setup(
     install_requires=["torch", "deepspeed>=0.19", "pydantic>=2", "numpy", "matplotlib", "ninja"],
     extras_require={
         "megatron": ["megatron-core==0.16.1"],
+        "megatron-lm": MEGATRON_LM,
         "hf": ["transformers>=4.40"],
         "monitor": ["tensorboard"],
-        "test": ["pytest>=8", "megatron-core==0.16.1", "transformers>=4.40", "tensorboard"],
+        "test": ["pytest>=8", *MEGATRON_LM, "transformers>=4.40", "tensorboard"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["ds-pseudo-real=ds_pseudo_real.cli:main"]},

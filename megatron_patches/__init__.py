@@ -7,15 +7,21 @@ Written against megatron-core 0.16.1.
 
 Every change this package makes to someone else's code, all reversible:
 """
-from megatron_patches.cpu_compat import PATCHES as CPU_PATCHES
+from megatron_patches.cpu_compat import PATCHES as CPU_PATCHES, TRAINING_PATCHES as CPU_TRAINING_PATCHES
 
 #: Changes outside the CPU layer. Each is scoped: undone on exit of its context or its run.
 PATCHES = [
     "megatron.core.models.gpt.gpt_model.TransformerBlock -> SharedParameterTransformerBlock "
     "(shared_block.shared_parameter_decoder, only while a pseudo model is being built)",
-    "megatron.training.pretrain and megatron.training.training.pretrain wrapped: flags chained onto "
-    "extra_args_provider, model_provider wrapped (run.install, undone by run.uninstall)",
+    "megatron.training.arguments.parse_args and megatron.training.initialize.parse_args wrapped: the flags chained "
+    "onto extra_args_provider (run.install, undone by run.uninstall)",
+    "megatron.training.pretrain and megatron.training.training.pretrain wrapped: model_provider wrapped "
+    "(run.install, undone by run.uninstall)",
+    "megatron.core.datasets.utils.compile_helpers -> no-op when megatron-core is the wheel (its helpers_cpp is "
+    "built, it has no Makefile) (run.install, undone by run.uninstall)",
+    "megatron.core DistributedOptimizer.load_parameter_state_from_dp_reshardable under torch.no_grad (0.16.x only: "
+    "resuming fp32 weights failed on an in-place copy into views of Parameters) (run.install, undone by run.uninstall)",
     "megatron.training.training.train_step wrapped to delink at --pseudo-to-real-switch-iter (run, during pretrain)",
     "built models only: TopKRouter instances re-classed as ExpertPrototypingRouter (moe.use_prototyping_routers); "
     "at the delink, train()'s optimizer object takes the new optimizer's class and state (run._become)",
-] + [f"{p.target} (cpu_compat: {p.reason})" for p in CPU_PATCHES]
+] + [f"{p.target} (cpu_compat: {p.reason})" for p in [*CPU_PATCHES, *CPU_TRAINING_PATCHES]]

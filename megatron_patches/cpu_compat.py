@@ -1,7 +1,9 @@
-"""CPU compatibility layer: lets megatron.core run on a CPU-only torch build (tests, this project's CI).
+"""CPU compatibility layer: lets megatron.core, and Megatron-LM's training scripts, run on a CPU-only torch build
+(tests, this project's CI, a user's smoke run).
 
-Owns every patch this project applies to torch.cuda and megatron.core, listed in ``PATCHES`` below, applied by
-``install()`` and undone by ``uninstall()``. It is never active when CUDA is available, and refuses a
+Owns every patch this project applies to torch.cuda, megatron.core and megatron.training for the CPU, listed in
+``PATCHES`` (applied by ``install()``) and ``TRAINING_PATCHES`` (added by ``install_training()`` for Megatron-LM's
+``pretrain``), all undone by ``uninstall()``. It is never active when CUDA is available, and refuses a
 megatron-core other than the one it was written against (0.16.x): the call sites it fixes move between releases.
 """
 from __future__ import annotations
@@ -39,6 +41,27 @@ PATCHES: List[Patch] = [
     Patch("torch.Tensor.type() reports torch.cuda.*", "DistributedOptimizer and clip_grads check these strings"),
     Patch("transformer.torch_norm.WrappedTorchNorm.__new__: accepts sequence_parallel",
           "the local spec's only norm without apex/TE; MoE with TP>1 requires sequence parallelism"),
+    Patch("optimizer.distrib_optimizer.DistributedOptimizer.state_dict: a never-stepped optimizer is given its "
+          "states first (one step at lr 0)",
+          "without apex/TE it reads Adam's step from the per-parameter states, which a fresh optimizer lacks "
+          "('assert len(steps) == 1' on loading a dist checkpoint)"),
+    Patch("optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict: every parameter's Adam step set to the "
+          "checkpoint's, each its own tensor",
+          "without apex/TE it gives every parameter one shared step tensor (torch's Adam then increments it once per "
+          "parameter), which the dp_reshardable loader then overwrites with the placeholder state's step: a resumed "
+          "run's bias correction, and its losses, drift from the uninterrupted run's"),
+]
+
+
+#: Megatron-LM's training package (tag core_v0.16.1) on CPU, added by ``install_training``.
+TRAINING_PATCHES: List[Patch] = [
+    Patch("megatron.training.training.initialize_megatron: allow_no_cuda=True",
+          "initialize_megatron asserts 'Megatron requires CUDA.' unless told otherwise"),
+    Patch("torch.cuda.device_count -> 1, torch.cuda.set_device -> no-op",
+          "initialize builds the model-parallel groups and seeds the model-parallel RNG tracker only when it counts "
+          "a device"),
+    Patch("megatron.legacy.fused_kernels.load -> no-op",
+          "builds CUDA kernels (fails without CUDA_HOME); the local spec does not use them"),
 ]
 
 
@@ -113,6 +136,7 @@ class _Installed:
     def __init__(self):
         self.saved: List[tuple] = []
         self.mode: Optional[TorchFunctionMode] = None
+        self.training = False  # whether install_training's patches are among ``saved``
 
     def set(self, owner: Any, name: str, value: Any) -> None:
         # A class's own entry, not what it inherits or the unwrapped function behind a staticmethod (__new__).
@@ -151,6 +175,7 @@ def install() -> bool:
     import megatron.core.tensor_parallel.random as tp_random
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     state = _Installed()
@@ -174,9 +199,34 @@ def install() -> bool:
               _cpu_aware_move(token_dispatcher.maybe_move_tensor_to_cpu))
     state.set(torch.Tensor, "type", _cuda_type_string(torch.Tensor.type))
     state.set(WrappedTorchNorm, "__new__", staticmethod(_sequence_parallel_norm(WrappedTorchNorm.__new__)))
+    state.set(DistributedOptimizer, "state_dict", _with_optimizer_states(DistributedOptimizer.state_dict))
+    state.set(DistributedOptimizer, "load_state_dict", _own_step_tensors(DistributedOptimizer.load_state_dict))
     state.mode = _CudaToCpuMode()
     state.mode.__enter__()
     _STATE = state
+    return True
+
+
+def install_training() -> bool:
+    """Apply ``TRAINING_PATCHES`` on top of ``install()``'s, for Megatron-LM's ``pretrain`` (needs ``megatron.training``
+    importable). Returns False (and does nothing) when CUDA is available."""
+    if not install():
+        return False
+    if _STATE.training:
+        return True
+    import megatron.legacy.fused_kernels as fused_kernels
+    import megatron.training.training as training_module
+
+    initialize_megatron = training_module.initialize_megatron
+
+    def initialize_megatron_without_cuda(*args, **kwargs):
+        return initialize_megatron(*args, **{**kwargs, "allow_no_cuda": True})
+
+    _STATE.set(training_module, "initialize_megatron", initialize_megatron_without_cuda)
+    _STATE.set(torch.cuda, "device_count", lambda: 1)
+    _STATE.set(torch.cuda, "set_device", lambda device: None)
+    _STATE.set(fused_kernels, "load", lambda args: None)
+    _STATE.training = True
     return True
 
 
@@ -213,6 +263,32 @@ def _cuda_type_string(original: Callable) -> Callable:
         return original(self, dtype, non_blocking, **kwargs)
 
     return type
+
+
+def _with_optimizer_states(original: Callable) -> Callable:
+    def state_dict(self):
+        if not self.optimizer.state:
+            from megatron_patches.delink import zero_lr
+
+            with zero_lr(self.optimizer):  # Adam at lr 0 leaves the weights as they are
+                self._init_optimizer_states_with_dummy_values()
+        return original(self)
+
+    return state_dict
+
+
+def _own_step_tensors(original: Callable) -> Callable:
+    def load_state_dict(self, state_dict):
+        original(self, state_dict)
+        steps = {group["step"] for group in state_dict["optimizer"]["param_groups"] if "step" in group}
+        if len(steps) != 1:
+            return
+        step = float(steps.pop())
+        for param_state in self.optimizer.state.values():
+            if "step" in param_state:
+                param_state["step"] = torch.tensor(step, dtype=param_state["step"].dtype)
+
+    return load_state_dict
 
 
 def _sequence_parallel_norm(original: Callable) -> Callable:

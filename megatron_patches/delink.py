@@ -20,6 +20,7 @@ model's own: with no switch at all it rose to 5.164 (``scale`` 5.619, ``reset`` 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -29,18 +30,27 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 from ds_pseudo_real.config import OptimizerStatePolicy
+from ds_pseudo_real.sharing import expand_state_dict
 from ds_pseudo_real.transition import member_moments
+from megatron_patches.shared_block import LAYERS, grouped_sharded_state_dict
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def load_pseudo_dist_checkpoint(real_module: torch.nn.Module, directory: str) -> torch.nn.Module:
-    """Offline delink: load a pseudo model's dist checkpoint into the real model (same config, no sharing).
-
-    The shared block keeps every layer's number, so its checkpoint names each layer's weights as the real model
-    does. Optimizer state does not carry over this way (its layout differs): the real run starts it afresh.
+def load_pseudo_dist_checkpoint(real_module: torch.nn.Module, directory: str, groups: int = 1) -> torch.nn.Module:
+    """Offline delink: load a pseudo model's dist checkpoint (``groups`` sharing groups) into the real model (same
+    config, no sharing; a GPTModel: its ``decoder`` is the block that was shared). Every layer gets its group's
+    weights. Optimizer state does not carry over this way: the real run starts it afresh.
     """
-    real_module.load_state_dict(dist_checkpointing.load(real_module.sharded_state_dict(), directory))
+    decoder = real_module.decoder
+    # Ask for the layout the pseudo block saved (each group once), then give every layer its group's tensors.
+    decoder.sharded_state_dict = functools.partial(grouped_sharded_state_dict, decoder, groups)
+    try:
+        request = real_module.sharded_state_dict()
+    finally:
+        del decoder.sharded_state_dict
+    loaded = dist_checkpointing.load(request, directory)
+    real_module.load_state_dict(expand_state_dict(loaded, f"decoder.{LAYERS}", len(decoder.layers), groups))
     return real_module
 
 
@@ -49,7 +59,7 @@ def _inner_optimizers(optimizer) -> list:
 
 
 @contextlib.contextmanager
-def _zero_lr(torch_optimizer: torch.optim.Optimizer):
+def zero_lr(torch_optimizer: torch.optim.Optimizer):
     """Adam with lr 0 (and so no decoupled weight decay) leaves the weights exactly as they are."""
     saved = [group["lr"] for group in torch_optimizer.param_groups]
     for group in torch_optimizer.param_groups:
@@ -116,7 +126,7 @@ class _AdamState:
         """A DistributedOptimizer only has state tensors to write into after a step: take one that changes nothing.
         Only for moments: its fp32 masters exist from the start."""
         if self.main is None:
-            with _zero_lr(self.inner.optimizer):
+            with zero_lr(self.inner.optimizer):
                 self.inner._init_optimizer_states_with_dummy_values()
 
     @torch.no_grad()

@@ -1,13 +1,15 @@
 """The drop-in flag: ``python -m megatron_patches.run pretrain_gpt.py <their flags> --pseudo-to-real-switch-iter N``.
 
 Owns: the extra flags, and the patches that apply them to an unmodified Megatron-LM pretraining script.
-``megatron.training.pretrain`` is wrapped: the flags are chained onto the script's ``extra_args_provider`` (so
-``--help`` lists them and argparse checks them), and its ``model_provider`` is wrapped to build the shared
-block while in the pseudo stage and to use expert-prototyping routers. ``megatron.training.training.train_step``
+Megatron's ``parse_args`` is wrapped to add the flags to every parser it builds after the script's own
+``extra_args_provider`` (so ``--help`` lists them, even from the early parse Megatron-LM's pretrain_gpt.py makes
+before ``pretrain``, and argparse checks them); ``megatron.training.pretrain`` is wrapped so that its
+``model_provider`` builds the shared block while in the pseudo stage and uses expert-prototyping routers. ``megatron.training.training.train_step``
 is wrapped to delink at iteration N, in process. A relaunched run (``--load``) builds the model its checkpoint
 holds: ``pseudo_stage_at_start`` decides from Megatron's tracker file. Written against Megatron-LM's public
 training interface: ``pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, ...,
-extra_args_provider=None, ...)``, ``setup_model_and_optimizer(model_provider, model_type)``, ``get_args()``,
+...)``, ``megatron.training.arguments.parse_args(extra_args_provider, ignore_unknown_args)`` (also imported by
+name into ``megatron.training.initialize``), ``setup_model_and_optimizer(model_provider, model_type)``, ``get_args()``,
 ``train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, ...)`` called
 by ``train()`` with the same model list and optimizer object every iteration, ``args.curr_iteration``, and the
 checkpoint layout ``<load>/latest_checkpointed_iteration.txt`` (an iteration or ``release``) with ``--ckpt-step``.
@@ -15,6 +17,7 @@ checkpoint layout ``<load>/latest_checkpointed_iteration.txt`` (an iteration or 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 import os
 import runpy
@@ -68,6 +71,13 @@ def check_arguments(args) -> None:
         _require(args.moe_router_load_balancing_type == "none",
                  f"--moe-router-load-balancing-type must be none with --m6-expert-prototypes "
                  f"(got {args.moe_router_load_balancing_type}); --moe-aux-loss-coeff weighs the per-prototype loss")
+        # M6's experts have no bias (2 x hidden x ffn parameters each). megatron-core 0.16.1's expert MLP with one
+        # fails on its own, with or without this flag: under --bias-gelu-fusion (the default) it refuses the
+        # gated expert outputs; without it, at tensor x expert parallel size 1, mlp.py adds the bias in place
+        # to the output of an autograd Function that returned its input (a view).
+        _require(not getattr(args, "add_bias_linear", False),
+                 "--m6-expert-prototypes needs --disable-bias-linear (M6's experts carry no bias); got Megatron's "
+                 "default, biases on")
 
 
 def checkpoint_to_load(load: Optional[str], ckpt_step: Optional[int] = None) -> Union[int, str, None]:
@@ -228,7 +238,6 @@ def install() -> None:
         run = PseudoToRealRun(training_module, training_package.get_args, bound.arguments["model_provider"],
                               bound.arguments["model_type"])
         bound.arguments["model_provider"] = run.model_provider
-        bound.arguments["extra_args_provider"] = _chain(bound.arguments.get("extra_args_provider"), add_arguments)
         original_train_step = training_module.train_step
         training_module.train_step = run.train_step(original_train_step)
         try:
@@ -239,6 +248,51 @@ def install() -> None:
     for owner in (training_package, training_module):
         _INSTALLED.append((owner, "pretrain", owner.pretrain))
         owner.pretrain = pretrain
+    _add_flags_to_every_parse()
+    _use_prebuilt_dataset_helpers()
+    _load_fp32_distributed_optimizer_without_grad()
+
+
+def _add_flags_to_every_parse() -> None:
+    import megatron.training.arguments as arguments
+    import megatron.training.initialize as initialize
+
+    original = arguments.parse_args
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        return original(_chain(extra_args_provider, add_arguments), ignore_unknown_args)
+
+    for owner in (arguments, initialize):
+        _INSTALLED.append((owner, "parse_args", owner.parse_args))
+        owner.parse_args = parse_args
+
+
+def _load_fp32_distributed_optimizer_without_grad() -> None:
+    """megatron-core 0.16's DistributedOptimizer loads a ``dp_reshardable`` checkpoint (torch_dist's default) by
+    copying into its main params with autograd on; for fp32 weights those are views of the model's Parameters,
+    so resuming fails ("a view of a leaf Variable that requires grad is being used in an in-place operation")
+    on any device. Its other loaders run under no_grad; this one does too here."""
+    import megatron.core
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not megatron.core.__version__.startswith("0.16."):
+        return
+    original = DistributedOptimizer.load_parameter_state_from_dp_reshardable
+    _INSTALLED.append((DistributedOptimizer, "load_parameter_state_from_dp_reshardable", original))
+    DistributedOptimizer.load_parameter_state_from_dp_reshardable = torch.no_grad()(original)
+
+
+def _use_prebuilt_dataset_helpers() -> None:
+    """Megatron-LM's initialize runs ``make`` in megatron/core/datasets to build ``helpers_cpp``: a source checkout
+    has the Makefile, the megatron-core wheel has the built module and no Makefile (so the build, and the run,
+    fail). With the wheel, skip the build."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    folder = os.path.dirname(os.path.abspath(dataset_utils.__file__))
+    if os.path.exists(os.path.join(folder, "Makefile")) or importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        return
+    _INSTALLED.append((dataset_utils, "compile_helpers", dataset_utils.compile_helpers))
+    dataset_utils.compile_helpers = lambda: None
 
 
 def uninstall() -> None:
@@ -261,7 +315,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     from megatron_patches import cpu_compat
 
-    cpu_compat.install()  # a no-op when CUDA is available
+    cpu_compat.install_training()  # a no-op when CUDA is available
     install()
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

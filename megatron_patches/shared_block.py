@@ -2,15 +2,18 @@
 
 Owns: building a block whose L layers use one parameter set per sharing group, with layers other than each
 group's first built on the meta device (they never allocate weights) and then pointed at the leader's
-Parameters; making GPTModel build this block (``shared_parameter_decoder``); and undoing the sharing in place.
-The grouping and tying themselves are ``ds_pseudo_real.sharing``'s. Written against megatron-core 0.16.1.
+Parameters; its checkpoint layout (each group's parameters saved once, ``grouped_sharded_state_dict``); making
+GPTModel build this block (``shared_parameter_decoder``); and undoing the sharing in place. The grouping and tying
+themselves are ``ds_pseudo_real.sharing``'s. Written against megatron-core 0.16.1 (TransformerBlock.sharded_state_dict
+stacks layer ``layer_number - 1`` of ``config.num_layers`` along a leading axis, keyed ``layers.<module index>.``).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -50,16 +53,62 @@ def _tie_buffers(leader: torch.nn.Module, member: torch.nn.Module) -> None:
         owner._buffers[leaf] = buffer
 
 
+def grouped_sharded_state_dict(block: TransformerBlock, groups: int, prefix: str = "", sharded_offsets: tuple = (),
+                               metadata: Optional[dict] = None) -> dict:
+    """``block``'s sharded state dict in the pseudo layout: each sharing group's first layer only, stacked as layer
+    g of ``groups`` (what TransformerBlock writes for a ``groups``-layer block), under its own module index.
+
+    A pseudo block's L layers hold ``groups`` parameter sets: listing every layer would save each set L/groups
+    times and give the optimizer, which maps each Parameter to one entry, a stacked tensor it holds only one slice
+    of (an invalid access pattern in dist checkpointing). Applied to a real block of the same config it asks for
+    that layout, so a pseudo checkpoint loads into the real model (``megatron_patches.delink``).
+    """
+    runs = sharing.sharing_groups(len(block.layers), groups)
+    leaders = [block.layers[run[0]] for run in runs]
+    saved = block.layers, block.config, [layer.layer_number for layer in leaders]
+    grouped_config = copy.copy(block.config)
+    grouped_config.num_layers = groups
+    block.layers, block.config = torch.nn.ModuleList(leaders), grouped_config
+    for g, layer in enumerate(leaders):
+        layer.layer_number = g + 1
+    try:
+        sharded = TransformerBlock.sharded_state_dict(block, prefix, sharded_offsets, metadata)
+    finally:
+        block.layers, block.config = saved[0], saved[1]
+        for layer, number in zip(leaders, saved[2]):
+            layer.layer_number = number
+    # TransformerBlock names the entries after the module index it saw (g); loading must reach the leader (run[0]).
+    layer_prefix = f"{prefix}{LAYERS}."
+    out = {}
+    for key, value in sharded.items():
+        if key.startswith(layer_prefix):
+            index, rest = key[len(layer_prefix):].split(".", 1)
+            key = f"{layer_prefix}{runs[int(index)][0]}.{rest}"
+        out[key] = value
+    return out
+
+
 class SharedParameterTransformerBlock(TransformerBlock):
     """A TransformerBlock whose layers share parameters in ``groups`` runs of consecutive layers.
 
-    Every layer keeps its own module and ``layer_number`` (1..L), so ``sharded_state_dict`` lists each layer and a
-    dist checkpoint of this block loads straight into a plain TransformerBlock (the real model).
+    Every layer keeps its own module and ``layer_number`` (1..L), so ``state_dict`` names each layer as the real
+    model does. Its dist checkpoint holds each group's parameters once (``grouped_sharded_state_dict``); loading
+    one, the other layers' entries are filled from their group's first layer.
     """
 
     def __init__(self, *args, groups: int = 1, **kwargs):
         object.__setattr__(self, "sharing_groups", groups)  # read by _build_layers, called inside super().__init__
         super().__init__(*args, **kwargs)
+        self._register_load_state_dict_pre_hook(self._fill_member_layers)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        return grouped_sharded_state_dict(self, self.sharing_groups, prefix, sharded_offsets, metadata)
+
+    def _fill_member_layers(self, state_dict, prefix, *args):
+        """A grouped checkpoint names only the leaders' tensors; a strict load_state_dict wants every layer's."""
+        layer_keys = {k: v for k, v in state_dict.items() if k.startswith(f"{prefix}{LAYERS}.")}
+        for key, value in sharing.expand_state_dict(layer_keys, LAYERS, len(self.layers), self.sharing_groups).items():
+            state_dict.setdefault(key, value)
 
     def _build_layers(self):
         if self.config.pipeline_model_parallel_size > 1:

@@ -21,9 +21,10 @@ def test_install_redirects_cuda_and_uninstall_restores():
 
 
 def test_every_patch_is_listed_once():
-    targets = [p.target for p in cpu_compat.PATCHES]
-    assert len(targets) == len(set(targets)) and all(p.reason for p in cpu_compat.PATCHES)
-    assert all(any(p.target in line for line in PATCHES) for p in cpu_compat.PATCHES)
+    patches = [*cpu_compat.PATCHES, *cpu_compat.TRAINING_PATCHES]
+    targets = [p.target for p in patches]
+    assert len(targets) == len(set(targets)) and all(p.reason for p in patches)
+    assert all(any(p.target in line for line in PATCHES) for p in patches)
 
 
 def test_never_active_with_cuda(monkeypatch):

@@ -76,7 +76,7 @@ def main():
     dist.barrier()
     dist_checkpointing.save(pseudo.sharded_state_dict(), ckpt_dir)
     target = ms.gpt(cfg, seed=1)
-    load_pseudo_dist_checkpoint(target, ckpt_dir)
+    load_pseudo_dist_checkpoint(target, ckpt_dir, groups)
     with torch.no_grad():
         result["ckpt_real_logits_equal"] = torch.equal(target(tokens, pos, mask), pseudo_logits)
     result["ckpt_real_groups"] = shared_groups_of(target.decoder)
