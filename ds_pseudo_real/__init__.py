@@ -31,8 +31,9 @@ def initialize(
     """Build the pseudo (or, with ``enabled: false``, the real) model's DeepSpeed engine behind a controller.
 
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like ``deepspeed.initialize``; ``engine``
-    is a :class:`~ds_pseudo_real.controller.PseudoToRealController` that swaps its DeepSpeed engine at the delink,
-    so read the optimizer and scheduler from it (``engine.optimizer``) after the switch. ``optimizer``,
+    is a :class:`~ds_pseudo_real.controller.PseudoToRealController` that swaps its DeepSpeed engine at the delink;
+    the optimizer and scheduler returned are views of the controller's current ones (``engine.optimizer``), valid
+    on both sides of the switch. ``optimizer``,
     ``model_parameters`` and ``lr_scheduler`` must be callables so they can be rebuilt for the real model.
     ``config`` may also come from ``args.deepspeed_config`` (the launcher's ``--deepspeed_config``).
     """
@@ -55,7 +56,11 @@ def initialize(
         mpu=mpu,
         callbacks=callbacks,
     )
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    from .controller import CurrentOf
+
+    optimizer = CurrentOf(engine, "optimizer") if engine.optimizer is not None else None
+    scheduler = CurrentOf(engine, "lr_scheduler") if engine.lr_scheduler is not None else None
+    return engine, optimizer, engine.training_dataloader, scheduler
 
 
 __all__ = [

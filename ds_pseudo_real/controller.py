@@ -45,6 +45,8 @@ from .sharing import (
 from .transition import StageTransitionCallback, member_moments, rewarmup_factor
 
 CLIENT_KEY = ckpt.CLIENT_KEY
+RETIRED_MODULE = ("this module was the pseudo model, which the delink replaced by the real one; train, evaluate and "
+                  "save through the engine ds_pseudo_real.initialize returned, and read the model as engine.module")
 
 
 def is_rank0() -> bool:
@@ -125,6 +127,31 @@ def _copy_lrs(old: List[float], optimizer) -> None:
         )
     for group, lr in zip(groups, values):
         group["lr"] = lr
+
+
+class CurrentOf:
+    """What ``initialize`` returns for the optimizer and the LR scheduler: a view of the controller's current one.
+
+    Attributes and methods are those of the current engine's object, so code written against the returned optimizer
+    keeps working after the delink, and holding it does not keep the pseudo engine (whose optimizer is linked to it
+    through DeepSpeed's hooks) alive.
+    """
+
+    def __init__(self, controller: "PseudoToRealController", name: str):
+        object.__setattr__(self, "_controller", controller)
+        object.__setattr__(self, "_name", name)
+
+    def current(self):
+        return getattr(self._controller, self._name)
+
+    def __getattr__(self, attribute: str):
+        return getattr(self.current(), attribute)
+
+    def __setattr__(self, attribute: str, value) -> None:
+        setattr(self.current(), attribute, value)
+
+    def __repr__(self) -> str:
+        return f"CurrentOf({self._name}: {self.current()!r})"
 
 
 class PseudoToRealController:
@@ -321,7 +348,9 @@ class PseudoToRealController:
         if remove_hooks is not None:  # granular offload's fetch and gradient hooks live on the old model
             remove_hooks()
         self._monitor = self.engine.monitor
+        module = self.engine.module
         self.engine.destroy()
+        ds_state.retire_module(module, RETIRED_MODULE)
         self.engine = self.optimizer = self.lr_scheduler = None
         gc.collect()
 
