@@ -8,7 +8,9 @@ DeepSpeed's optimizer (``GranularOffloadOptimizer`` own groups); fp32 ZeRO 0 nev
 
 Between uses ``p.data`` is the host tensor, so ``state_dict``, ``load_state_dict`` and DeepSpeed's initial
 broadcast read and write the host copy. Autograd saves a leaf Parameter itself, not its storage, so re-fetching
-before the backward gives the layer's backward the same values it ran forward with.
+before the backward gives the layer's backward the same values it ran forward with. Activation checkpointing
+(reentrant or not) recomputes a layer's forward inside the backward: see the hooks below. At most two layers are
+fetched at any time: the one in use and the next one (prefetched).
 """
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ import torch
 from torch import nn
 
 from ds_pseudo_real.sharing import get_layer_list
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread (torch 2.x)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class HostParamStore:
@@ -55,11 +62,12 @@ class HostParamStore:
         self._converting = list(dict.fromkeys(modules))
         for module in self._converting:
             self._convert_on_host(module)
+        self._end_of_backward_queued_for: Optional[int] = None
         for k, module in enumerate(modules):
             self._handles += [
-                module.register_forward_pre_hook(lambda m, a, k=k: self._use(k, k + 1)),
-                module.register_forward_hook(lambda m, a, o, k=k: self._release(k)),
-                module.register_full_backward_pre_hook(lambda m, g, k=k: self._use(k, k - 1)),
+                module.register_forward_pre_hook(lambda m, a, k=k: self._before_forward(k)),
+                module.register_forward_hook(lambda m, a, o, k=k: self._after_forward(k)),
+                module.register_full_backward_pre_hook(lambda m, g, k=k: self._before_backward(k)),
                 module.register_full_backward_hook(lambda m, gi, go, k=k: self._release(k)),
             ]
 
@@ -143,6 +151,36 @@ class HostParamStore:
             p.data = t
         if self.prefetch:
             self._fetch(then)
+
+    # The hooks. A forward that runs inside a backward is activation checkpointing's recompute: the layer's backward
+    # follows at once (so it stays fetched), the next layer to need its parameters is the one before it, and the
+    # end-of-backward callback releases whatever a recompute or a layer without a backward hook (its input needs no
+    # gradient) left fetched, so that no buffer outlives the backward and reaches the next forward after the step.
+    def _before_forward(self, k: int) -> None:
+        if _in_backward():
+            self._queue_end_of_backward()
+            self._use(k, k - 1)
+        else:
+            self._use(k, k + 1)
+
+    def _after_forward(self, k: int) -> None:
+        if not _in_backward():
+            self._release(k)
+
+    def _before_backward(self, k: int) -> None:
+        self._queue_end_of_backward()
+        self._use(k, k - 1)
+
+    def _queue_end_of_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._end_of_backward_queued_for != task:
+            self._end_of_backward_queued_for = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._end_of_backward_queued_for = None
+        for k in list(self._buffers):
+            self._release(k)
 
     def _release(self, k: int) -> None:
         tensors, _ = self._buffers.pop(k, ((), None))
