@@ -231,6 +231,7 @@ class PseudoToRealController:
         if "granular_offload" in self.full_ds_config:
             from .offload import build_offload_optimizer, describe_offload_plan
 
+            self._refuse_model_parallelism()
             world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
             client, ds_config, plan = build_offload_optimizer(model, self.full_ds_config, self.layer_path, world)
             if client is not None:
@@ -258,6 +259,23 @@ class PseudoToRealController:
             target.register_step_pre_hook(self._scale_lr)
             target.register_step_post_hook(self._unscale_lr)
         return engine, opt, loader, scheduler
+
+    def _refuse_model_parallelism(self) -> None:
+        """Granular offload reduces the gradients of the groups it steps itself over every rank: with tensor,
+        pipeline or sequence parallelism the data-parallel group is smaller, and the result would be wrong."""
+        mpu, config = self._mpu, self.full_ds_config
+        sizes = {
+            "tensor parallel (mpu)": getattr(mpu, "get_tensor_model_parallel_world_size", lambda: 1)(),
+            "pipeline parallel (mpu)": getattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 1)(),
+            "tensor_parallel.autotp_size": (config.get("tensor_parallel") or {}).get("autotp_size", 1),
+            "sequence_parallel_size": config.get("sequence_parallel_size", 1),
+        }
+        used = {name: size for name, size in sizes.items() if size and size > 1}
+        if used:
+            raise ConfigError(
+                f"granular_offload works with data (and expert) parallelism only; this run has {used}. Remove the "
+                f"granular_offload section, or run without tensor, pipeline and sequence parallelism"
+            )
 
     def _scale_lr(self, optimizer, *_):
         """Step pre-hook: the re-warmup factor applies to this optimizer step only (ZeRO steps group by group)."""
