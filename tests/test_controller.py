@@ -183,3 +183,23 @@ def test_transition_reports_per_rank_bytes_of_both_models():
         assert 4 * numel <= memory["fp32_master"] <= 4 * (numel + 1)
         assert memory["optimizer_state"] == 2 * memory["fp32_master"]
     engine.engine.destroy()
+
+
+def test_moments_deepspeed_cannot_give_stop_the_delink_instead_of_resetting(monkeypatch):
+    """ZeRO 1 keeps moments in flat partitions read through safe_get_full_optimizer_state: if that fails after
+    training steps, a 'copy' delink must not quietly carry nothing (which is 'reset')."""
+    engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(1, "fp32", "copy", switch=2))
+    loss = engine(*fixed_batch(0))
+    engine.backward(loss)
+    engine.step()
+
+    def unreadable(param, key):
+        raise KeyError(key)
+
+    monkeypatch.setattr(ds_pseudo_real.ds_state, "safe_get_full_optimizer_state", unreadable)
+    loss = engine(*fixed_batch(1))
+    engine.backward(loss)
+    with pytest.raises(RuntimeError, match=r"cannot read the Adam moments of tok_emb.weight from DeepSpeed "
+                                           r"after 2 steps \(KeyError: 'exp_avg'\); the delink would silently reset"):
+        engine.step()
+    engine.engine.destroy()
