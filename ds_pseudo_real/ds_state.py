@@ -23,6 +23,21 @@ from deepspeed.utils import (
 )
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+# The releases this module's uses of DeepSpeed and torch internals were written and tested against: [low, high).
+SUPPORTED_VERSIONS = {"deepspeed": ("0.19.0", "0.20.0"), "torch": ("2.4.0", "2.15.0")}
+
+
+def check_versions(feature: str) -> None:
+    """Refuse to run ``feature`` on a DeepSpeed or torch release outside :data:`SUPPORTED_VERSIONS`: the internals
+    it reaches into may have moved, and a silent difference there would train wrongly."""
+    import deepspeed
+    from packaging.version import Version
+
+    for name, found in (("deepspeed", deepspeed.__version__), ("torch", torch.__version__)):
+        low, high = SUPPORTED_VERSIONS[name]
+        if not Version(low) <= Version(Version(found).base_version) < Version(high):
+            raise RuntimeError(f"{feature} was written against {name} >={low},<{high}; found {name} {found}. "
+                               f"Install a supported release (pip install '{name}>={low},<{high}')")
 
 
 def basic_optimizer(engine) -> Optional[torch.optim.Optimizer]:

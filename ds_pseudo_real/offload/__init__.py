@@ -135,6 +135,7 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
     section = parse_granular_offload(ds_config)
     if section is None:
         return None, ds_config, None
+    ds_state.check_versions("granular_offload")
     sizes, params = model_groups(model, layer_path, world_size)
     setup = training_setup(ds_config, section, world_size, len(get_layer_list(model, layer_path)))
     if section.levels is not None:
