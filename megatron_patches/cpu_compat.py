@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
@@ -33,6 +34,9 @@ PATCHES: List[Patch] = [
     Patch("torch.cuda.synchronize / empty_cache", "called unconditionally by timers and the MoE dispatchers"),
     Patch("torch.cuda.get_rng_state / set_rng_state / manual_seed", "the tensor-parallel RNG tracker forks CUDA RNG"),
     Patch("tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state", "same tracker, internal helpers"),
+    Patch("logging.getLogger('megatron.core.tensor_parallel.random').filters: drops 'CPU RNG state changed within "
+          "GPU RNG context'", "the tracker's CUDA generator is the CPU one here, so every dropout in its fork() "
+          "changes it: one spurious warning per layer and step"),
     Patch("torch.cuda.Stream / current_stream / stream / Event", "MoE dispatchers and DDP record work on streams"),
     Patch("moe.moe_utils.te_general_gemm", "0.16.1 references it even when Transformer Engine is absent"),
     Patch("moe.token_dispatcher.maybe_move_tensor_to_cpu", "leaves CPU split sizes as tensors: all_to_all fails"),
@@ -189,6 +193,9 @@ def install() -> bool:
     state.set(torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)))
     state.set(tp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state())
     state.set(tp_random, "_set_cuda_rng_state", lambda new_state, *args, **kwargs: torch.set_rng_state(new_state))
+    rng_logger = logging.getLogger(tp_random.__name__)
+    spurious = _drop_message("CPU RNG state changed within GPU RNG context")
+    state.set(rng_logger, "filters", [*rng_logger.filters, spurious])
     state.set(torch.cuda, "Stream", _FakeStream)
     state.set(torch.cuda, "current_stream", lambda *args, **kwargs: stream)
     state.set(torch.cuda, "stream", lambda s=None: contextlib.nullcontext())
@@ -242,6 +249,10 @@ def uninstall() -> None:
         else:
             setattr(owner, name, original)
     _STATE = None
+
+
+def _drop_message(message: str) -> Callable:
+    return lambda record: record.getMessage() != message
 
 
 def _cpu_aware_move(original: Callable) -> Callable:

@@ -4,15 +4,17 @@ Owns: the extra flags, and the patches that apply them to an unmodified Megatron
 Megatron's ``parse_args`` is wrapped to add the flags to every parser it builds after the script's own
 ``extra_args_provider`` (so ``--help`` lists them, even from the early parse Megatron-LM's pretrain_gpt.py makes
 before ``pretrain``, and argparse checks them); ``megatron.training.pretrain`` is wrapped so that its
-``model_provider`` builds the shared block while in the pseudo stage and uses expert-prototyping routers. ``megatron.training.training.train_step``
-is wrapped to delink at iteration N, in process. A relaunched run (``--load``) builds the model its checkpoint
-holds: ``pseudo_stage_at_start`` decides from Megatron's tracker file. Written against Megatron-LM's public
-training interface: ``pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, ...,
-...)``, ``megatron.training.arguments.parse_args(extra_args_provider, ignore_unknown_args)`` (also imported by
-name into ``megatron.training.initialize``), ``setup_model_and_optimizer(model_provider, model_type)``, ``get_args()``,
-``train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, ...)`` called
-by ``train()`` with the same model list and optimizer object every iteration, ``args.curr_iteration``, and the
-checkpoint layout ``<load>/latest_checkpointed_iteration.txt`` (an iteration or ``release``) with ``--ckpt-step``.
+``model_provider`` builds the shared block while in the pseudo stage and uses expert-prototyping routers.
+``megatron.training.training.train_step`` is wrapped to delink at iteration N, in process. A relaunched run
+(``--load``) builds the model its checkpoint holds: ``pseudo_stage_at_start`` decides from Megatron's tracker file.
+Written against Megatron-LM's public training interface (tag core_v0.16.1):
+``pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, ...)``,
+``megatron.training.arguments.parse_args(extra_args_provider, ignore_unknown_args)`` (also imported by name into
+``megatron.training.initialize``),
+``setup_model_and_optimizer(model_provider, model_type)``, ``get_args()``, ``train_step(forward_step_func,
+data_iterator, model, optimizer, opt_param_scheduler, config, ...)`` called by ``train()`` with the same model list
+and optimizer object every iteration, ``args.curr_iteration``, and the checkpoint layout
+``<load>/latest_checkpointed_iteration.txt`` (an iteration or ``release``) with ``--ckpt-step``.
 """
 from __future__ import annotations
 
@@ -289,7 +291,8 @@ def _use_prebuilt_dataset_helpers() -> None:
     import megatron.core.datasets.utils as dataset_utils
 
     folder = os.path.dirname(os.path.abspath(dataset_utils.__file__))
-    if os.path.exists(os.path.join(folder, "Makefile")) or importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+    built = importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None
+    if os.path.exists(os.path.join(folder, "Makefile")) or not built:
         return
     _INSTALLED.append((dataset_utils, "compile_helpers", dataset_utils.compile_helpers))
     dataset_utils.compile_helpers = lambda: None

@@ -1,4 +1,6 @@
 """The CPU compatibility layer: what it patches, that it undoes it, and when it refuses to act."""
+import logging
+
 import pytest
 import torch
 
@@ -7,15 +9,21 @@ from megatron_patches import PATCHES, cpu_compat
 
 def test_install_redirects_cuda_and_uninstall_restores():
     original = torch.cuda.current_device
+    rng_logger = logging.getLogger("megatron.core.tensor_parallel.random")
+    filters = rng_logger.filters
     assert cpu_compat.install() is True
     try:
         assert torch.cuda.current_device() == torch.device("cpu")
         assert torch.zeros(2, device="cuda").device.type == "cpu"
         assert torch.ones(2).cuda().device.type == "cpu"
         assert torch.ones(2).type() == "torch.cuda.FloatTensor"  # what DistributedOptimizer checks
+        record = logging.LogRecord(rng_logger.name, logging.WARNING, "", 0, "CPU RNG state changed within GPU RNG "
+                                   "context", None, None)
+        assert not rng_logger.filter(record)  # the CPU is the tracker's generator: spurious here
     finally:
         cpu_compat.uninstall()
     assert torch.cuda.current_device is original and not cpu_compat.is_installed()
+    assert rng_logger.filters is filters
     assert torch.ones(2).type() == "torch.FloatTensor"
     assert torch.zeros(2).device.type == "cpu"
 
