@@ -16,7 +16,7 @@ from ds_pseudo_real import checkpoint as ckpt
 from ds_pseudo_real.config import ConfigError, split_checkpoint_options
 from ds_pseudo_real.report import MetricsLog, read_records
 from conftest import run_two_ranks
-from test_checkpoints import SWITCH, TOTAL, logits, make, train
+from test_checkpoints import TOTAL, logits, make, train
 
 SAVED_AT = (2, 3, 5, 6)  # pseudo, pseudo, real, real (the delink happens at step SWITCH = 4)
 
