@@ -24,7 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import RESULTS, init_single_process, machine_description, markdown_table, median, write_json  # noqa: E402,E501
+from benchmarks.common import (  # noqa: E402
+    RESULTS, init_single_process, machine_description, markdown_table, median, write_json,
+)
 
 
 def main(argv=None) -> int:

@@ -91,9 +91,9 @@ def _m6_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -
     if ep is None:
         ep = math.gcd(world_size, arch.num_experts)
     elif not isinstance(ep, int) or ep < 1 or arch.num_experts % ep or world_size % ep:
+        accepted = [k for k in range(1, world_size + 1) if world_size % k == 0 and arch.num_experts % k == 0]
         raise ConfigError(f"m6.expert_parallel: got {ep!r}; it must divide both the {arch.num_experts} experts and "
-                          f"the {world_size} ranks (accepted: "
-                          f"{[k for k in range(1, world_size + 1) if world_size % k == 0 and arch.num_experts % k == 0]})")
+                          f"the {world_size} ranks (accepted: {accepted})")
     return ModelSpec("m6", arch.num_layers, arch.seq_length, arch.vocab_size,
                      options={"preset": arch.name, "expert_parallel": ep, "capacity_factor": run["capacity_factor"],
                               "balance_coeff": run["balance_coeff"], "arch": arch})
@@ -102,8 +102,8 @@ def _m6_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -
 def _hf_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -> ModelSpec:
     unknown = sorted(set(section) - {"config", "layers"})
     if unknown or "config" not in section:
-        raise ConfigError(f"hf: got keys {sorted(section)}; expected 'config' (a dict for "
-                          f"transformers.AutoConfig.for_model, with model_type, or a local folder) and optional 'layers'")
+        raise ConfigError(f"hf: got keys {sorted(section)}; expected 'config' (a dict for transformers.AutoConfig."
+                          f"for_model, with model_type, or a local folder) and optional 'layers'")
     try:
         import transformers
     except ImportError:
@@ -118,7 +118,8 @@ def _hf_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -
     except (KeyError, ValueError, OSError) as error:
         raise ConfigError(f"hf.config: {error}") from None
     if config.vocab_size < vocab_size:
-        raise ConfigError(f"hf.config.vocab_size: got {config.vocab_size}; the data's tokenizer has {vocab_size} tokens")
+        raise ConfigError(f"hf.config.vocab_size: got {config.vocab_size}; "
+                          f"the data's tokenizer has {vocab_size} tokens")
     layers = section.get("layers") or HF_LAYER_LISTS.get(config.model_type)
     if layers is None:
         raise ConfigError(f"hf.layers: cannot tell where the layer list of a {config.model_type!r} model is; "
