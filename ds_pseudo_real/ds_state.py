@@ -95,17 +95,17 @@ def full_fp32_param(engine, param: torch.nn.Parameter) -> torch.Tensor:
 
 
 def full_moments(engine, param: torch.nn.Parameter, name: str = "") -> Optional[Dict[str, torch.Tensor]]:
-    """``exp_avg``/``exp_avg_sq`` of ``param`` (full, fp32, CPU), or None before the first optimizer step. After
-    one, a moment DeepSpeed cannot give is an error naming the parameter (never a silent ``reset``)."""
+    """``exp_avg``/``exp_avg_sq`` of ``param`` (full, fp32, CPU), or None before the optimizer's first step. After
+    it, a moment DeepSpeed cannot give is an error naming the parameter (never a silent ``reset``)."""
     if _is_managed(param):
         try:
             values = {k: safe_get_full_optimizer_state(param, k) for k in MOMENT_KEYS}
         except (KeyError, TypeError) as error:
-            if engine.global_steps - engine.skipped_steps == 0:
-                return None  # no state yet: DeepSpeed links fragments at the first step
-            raise RuntimeError(f"cannot read the Adam moments of {name or 'a parameter'} from DeepSpeed after "
-                               f"{engine.global_steps} steps ({type(error).__name__}: {error}); the delink would "
-                               f"silently reset them") from error
+            if not basic_optimizer(engine).state:
+                return None  # no state yet: DeepSpeed creates and links it at this optimizer's first step
+            raise RuntimeError(f"cannot read the Adam moments of {name or 'a parameter'} from DeepSpeed, whose "
+                               f"optimizer has stepped ({type(error).__name__}: {error}); the delink would silently "
+                               f"reset them") from error
         if any(v is None for v in values.values()):
             return None
         return {k: v.detach().float().cpu().clone() for k, v in values.items()}
