@@ -114,6 +114,7 @@ def main():
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump(result, handle)
+    dist.barrier()  # both ranks out of every collective before the groups (DeepSpeed's expert groups too) go
     dist.destroy_process_group()
 
 
