@@ -130,8 +130,15 @@ def seed_optimizer_state(engine, counters: Dict[str, Any]) -> None:
 
     Optimizers create their state lazily at the first step, and DeepSpeed links its per-parameter views of the
     flat fp32 partitions to that state only then; seeding first makes the moments settable before any step.
+    Granular offload's optimizer seeds its own (``seed_states``): each group's state where its level steps it.
     """
     optimizer = basic_optimizer(engine)
+    seed_states = getattr(optimizer, "seed_states", None)
+    if seed_states is not None:
+        steps = [counters["state_step"], *counters["group_steps"]]
+        seed_states(next((s for s in steps if s is not None), 0))
+        relink_optimizer_state(engine)
+        return
     group_steps = counters["group_steps"]
     for index, group in enumerate(optimizer.param_groups):
         step = group_steps[index] if index < len(group_steps) else group_steps[-1] if group_steps else None

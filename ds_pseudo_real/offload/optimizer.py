@@ -140,13 +140,29 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         ``state_dict`` packs by ``param_groups`` alone."""
         return self.own_state.setdefault(p, {}) if p in self._own_group_of else self.state[p]
 
-    def _state(self, p: torch.Tensor, on: torch.device) -> Dict[str, Any]:
+    def _state(self, p: torch.Tensor) -> Dict[str, Any]:
+        """The state of ``p`` stepped by the CPU kernel, created at its first step."""
         state = self.state_of(p)
         if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=on, pin_memory=self._pin and on == HOST)
-            state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
+            state.update(step=0, exp_avg=self._host_zeros(p), exp_avg_sq=self._host_zeros(p))
         return state
+
+    def seed_states(self, step: Any) -> None:
+        """Zero moments and the step count ``step`` (an int or a tensor) for every param, placed where this plan
+        steps them, as a loaded checkpoint's (:meth:`_place_state`), and the CPU kernel's bias correction brought to
+        ``step``: the state a delink writes the carried moments into. Nothing is allocated on the device for a
+        group the plan steps on the host."""
+        step = int(step.item()) if torch.is_tensor(step) else int(step)
+        for group in self.param_groups + self.own_param_groups:
+            for p in group["params"]:
+                on = p.device if self._steps_on_device(p, group["level"]) else HOST
+                state = self.state_of(p)
+                state.clear()
+                state.update(step=step, **{key: torch.zeros(p.shape, dtype=torch.float32, device=on,
+                                                            pin_memory=self._pin and on == HOST)
+                                           for key in ("exp_avg", "exp_avg_sq")})
+                self._place_state(state, p, group["level"])
+        self._replay_kernel_steps(step)
 
     # ----- step ----------------------------------------------------------------------------------------------
     def _adam_kernel(self, group: Dict[str, Any], param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any]):
@@ -162,7 +178,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         cuda = [p for p in params if p.device.type == "cuda"]
         for p in params:
             if p.device == HOST:
-                self._adam_kernel(group, p.data, p.grad.data, self._state(p, HOST))
+                self._adam_kernel(group, p.data, p.grad.data, self._state(p))
         if cuda:
             if self._device_adam is None:
                 self._device_adam = _fused_device_adam([torch.nn.Parameter(torch.zeros(1, device="cuda"))],
@@ -202,7 +218,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
             if event is not None:
                 event.synchronize()
             master = self._master(p, group["level"])
-            self._adam_kernel(group, master, grad, self._state(p, HOST))
+            self._adam_kernel(group, master, grad, self._state(p))
             if group["level"] == PlacementLevel.HOST_PARAMS.value:
                 continue  # the host params are the master: the next fetch carries the update
             if p.is_cuda:
@@ -344,7 +360,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
             grad = self._grad_buffers[p]
             if factor != 1.0:
                 grad.mul_(factor)
-            self._adam_kernel(group, master, grad, self._state(p, HOST))
+            self._adam_kernel(group, master, grad, self._state(p))
             host = self.host_params.host_tensor(p)
             if master is not host:
                 host.copy_(master)  # bf16: round the master into the host params (no device copy)
@@ -421,10 +437,15 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         steps = [st["step"] for st in states if isinstance(st.get("step"), int)]
         self._replay_kernel_steps(max(steps, default=0))
 
+    @staticmethod
+    def _steps_on_device(p: torch.Tensor, level: str) -> bool:
+        """True when torch's fused CUDA Adam steps ``p``; else DeepSpeed's CPU Adam kernel does, on the host."""
+        return level == PlacementLevel.DEVICE.value and p.is_cuda
+
     def _place_state(self, state: Dict[str, Any], p: torch.Tensor, level: str) -> None:
-        """Put loaded moments where this plan steps them: the CPU kernel takes host tensors and an int step; torch's
-        fused CUDA Adam takes device tensors and a float32 step tensor on the device."""
-        on_cuda = level == PlacementLevel.DEVICE.value and p.is_cuda
+        """Put loaded or seeded moments where this plan steps them: the CPU kernel takes host tensors (pinned on
+        CUDA) and an int step; torch's fused CUDA Adam takes device tensors and a float32 step tensor there."""
+        on_cuda = self._steps_on_device(p, level)
         for key in ("exp_avg", "exp_avg_sq"):
             if on_cuda:
                 state[key] = state[key].to(p.device)
