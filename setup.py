@@ -19,9 +19,10 @@ setup(
     extras_require={
         "megatron": ["megatron-core==0.16.1"],
         "megatron-lm": MEGATRON_LM,
+        "data": ["megatron-core==0.16.1", "tokenizers"],
         "hf": ["transformers>=4.40"],
         "monitor": ["tensorboard"],
-        "test": ["pytest>=8", *MEGATRON_LM, "transformers>=4.40", "tensorboard"],
+        "test": ["pytest>=8", *MEGATRON_LM, "tokenizers", "transformers>=4.40", "tensorboard"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["ds-pseudo-real=ds_pseudo_real.cli:main"]},

@@ -1,5 +1,5 @@
-"""The ``ds-pseudo-real`` command: ``train`` (the main job), ``convert`` (pseudo -> real checkpoint), ``plan``
-(granular offload placement). Each subcommand lives with the code it drives; this module only dispatches."""
+"""The ``ds-pseudo-real`` command: ``train`` (the main job), ``preprocess`` (jsonl -> Megatron indexed dataset),
+``convert`` (pseudo -> real checkpoint), ``plan`` (granular offload placement). Each subcommand lives with the code it drives; this module only dispatches."""
 from __future__ import annotations
 
 import importlib
@@ -7,7 +7,8 @@ import sys
 from typing import List, Optional
 
 COMMANDS = {
-    "train": ("launch.train", "train the demo GPT through the pseudo and real stages (same flags as launch/train.py)"),
+    "train": ("launch.train", "the main job: train through the pseudo and real stages (same flags as launch/train.py)"),
+    "preprocess": ("ds_pseudo_real.preprocess", "tokenize a jsonl file into a Megatron indexed dataset (.bin/.idx)"),
     "convert": ("ds_pseudo_real.convert", "convert a pseudo-stage checkpoint into a real-stage one, offline"),
     "plan": ("ds_pseudo_real.offload.cli", "print a granular offload placement plan as a table"),
     "slurm": ("launch.slurm", "write and submit a SLURM batch script (same flags as python -m launch.slurm)"),

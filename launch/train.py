@@ -1,4 +1,5 @@
-"""The main job: a byte-level GPT on the Python standard library's sources, pseudo stage -> delink -> real stage.
+"""The main job: a GPT, the M6 MoE or a Hugging Face causal LM on the embedded byte corpus or Megatron indexed
+datasets, pseudo stage -> delink -> real stage.
 
 Started by the deepspeed launcher (``deepspeed launch/train.py --deepspeed_config configs/tiny_cpu.json``),
 torchrun, srun, or ``ds-pseudo-real train``. Resumes from the newest checkpoint in ``<output-dir>/checkpoints`` that
@@ -7,6 +8,7 @@ verifies (or ``--resume-from``); on SIGUSR1/SIGTERM it saves a checkpoint at the
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import signal
 import sys
@@ -21,7 +23,7 @@ import torch.distributed as dist
 import ds_pseudo_real
 from ds_pseudo_real.checkpoint import CheckpointError
 from ds_pseudo_real.config import SECTION, ConfigError, check_top_level_keys, load_ds_config, parse_pseudo_to_real
-from ds_pseudo_real.data import ByteCorpus
+from ds_pseudo_real.data import BYTE_VOCAB, build_corpus, indexed_vocabulary, parse_data_section
 from ds_pseudo_real.models.build import build_model, model_spec, parameter_groups
 from ds_pseudo_real.report import MetricsLog, plot_history, read_records
 
@@ -51,7 +53,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--n-head", type=int, default=None, help="GPT heads (default: the gpt section, else 4)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="sequence length (default: the model section's, else 128)")
-    parser.add_argument("--corpus-bytes", type=int, default=8 << 20, help="bytes of training text to load")
+    parser.add_argument("--corpus-bytes", type=int, default=None,
+                        help="bytes of training text the byte corpus loads (default: data.max_bytes, else 8 MiB)")
     args = parser.parse_args(argv)
     if not args.deepspeed_config:
         parser.error("--deepspeed_config is required (e.g. configs/tiny_cpu.json)")
@@ -74,6 +77,15 @@ class StopOnSignal:
 
     def _handle(self, signum, _frame):
         self.received = signal.Signals(signum).name
+
+
+def batch_shape(ds_config: dict):
+    """The micro batch per rank and the gradient accumulation steps, resolved by DeepSpeed's own config rules (from
+    any two of train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps and the world size)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    resolved = DeepSpeedConfig(copy.deepcopy(ds_config))
+    return resolved.train_micro_batch_size_per_gpu, resolved.gradient_accumulation_steps
 
 
 def default_steps(ds_config: dict) -> int:
@@ -169,9 +181,19 @@ def train(argv: Optional[List[str]] = None) -> int:
     steps = args.steps or default_steps(ds_config)
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     ckpt_dir = out / "checkpoints"
-    corpus = ByteCorpus(max_bytes=args.corpus_bytes)
+    data = parse_data_section(ds_config)
+    vocab, eod = (BYTE_VOCAB, None) if data.type == "byte_corpus" else indexed_vocabulary(data)
     flags = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "seq_len": args.seq_len}
-    spec = model_spec(ds_config, flags, vocab_size=256, world_size=world, groups=ptr.groups if ptr.enabled else 1)
+    spec = model_spec(ds_config, flags, vocab_size=vocab, world_size=world, groups=ptr.groups if ptr.enabled else 1)
+    micro, gas = batch_shape(ds_config)
+    if rank == 0:
+        print(f"data: {data.describe()}", flush=True)
+    corpus = build_corpus(data, seq_len=spec.seq_len, seed=args.seed, train_samples=steps * gas * micro * world,
+                          val_samples=args.eval_batches * micro * world, world_size=world,
+                          cache_dir=out / "data_cache", vocab_size=vocab, eod=eod,
+                          max_bytes=args.corpus_bytes)
+    if rank == 0 and hasattr(corpus, "describe"):
+        print(corpus.describe(), flush=True)
     if SECTION in ds_config:
         ds_config[SECTION].setdefault("layers", spec.layers)
     monitors = default_monitor_paths(ds_config, out)
@@ -184,7 +206,10 @@ def train(argv: Optional[List[str]] = None) -> int:
         engine.load_checkpoint(str(ckpt_dir), tag=args.resume_from)
     start_step = engine.global_steps
     seq_len = spec.seq_len
-    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    resolved = (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
+    if (micro, gas) != resolved:
+        raise RuntimeError(f"the data were sized for micro batch {micro} x {gas} accumulation steps; DeepSpeed "
+                           f"resolved {resolved[0]} x {resolved[1]}")
     tokens_per_step = micro * gas * seq_len * world
     log = MetricsLog(out / "metrics.jsonl", resume_step=start_step) if rank == 0 else None
     if rank == 0:
