@@ -4,13 +4,15 @@ Owns every use of DeepSpeed internals by the plugin (written against DeepSpeed 0
 for ZeRO 1-3 and the bf16 optimizer, direct access for the plain fp32 optimizer of ZeRO stage 0, seeding the
 lazily created optimizer state so moments can be set before the first step, the per-rank byte accounting, and
 folding the norm of gradients DeepSpeed does not hold (granular offload's own groups) into its global gradient
-norm, by wrapping one method on the engine's own optimizer instance (it lives and dies with that engine), and
-checksumming the files its checkpoint engine writes.
+norm and its overflow decision and dropping them when it zeroes its own, by wrapping methods on the engine's own
+optimizer instance (its norm, the unfused optimizer's overflow check, ``zero_grad``: they live and die with that
+engine), and checksumming the files its checkpoint engine writes.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
@@ -241,7 +243,9 @@ def include_in_gradient_norm(engine, extra_norm: Callable[[], torch.Tensor]) -> 
     DeepSpeed 0.19.8: ZeRO 1/2 combine their group norms in ``scaled_global_norm()`` before clipping; the bf16
     optimizer takes the norm of the tensors ``get_grads_for_norm()`` lists, so a one-element tensor holding the
     extra norm adds its square; the stage-0 unfused optimizer (bf16 with a client optimizer) passes its norm to
-    ``unscale_and_clip_grads``. All keep the result in ``_global_grad_norm``. The returned callable gives
+    ``unscale_and_clip_grads``, after deciding on overflow (its ``overflow_checker``, which an inf or NaN extra norm
+    trips too). All keep the result in ``_global_grad_norm`` and skip the step for an inf or NaN extra norm as they
+    do for their own (bf16 ZeRO 1/2: when ``bf16.check_grad_overflow``). The returned callable gives
     ``(norm, loss_scale)``: the unfused optimizer scales the loss (dynamic loss scaling, kept for bf16 too), and
     its norm and the gradients it leaves are both scaled; ZeRO 1/2 and the bf16 optimizer report scale 1.
     """
@@ -269,17 +273,44 @@ def include_in_gradient_norm(engine, extra_norm: Callable[[], torch.Tensor]) -> 
         optimizer.get_grads_for_norm = get_grads_for_norm
         return lambda: (optimizer._global_grad_norm, 1.0)
     if hasattr(optimizer, "unscale_and_clip_grads") and hasattr(optimizer, "fp32_groups"):
-        original = optimizer.unscale_and_clip_grads  # stage-0 unfused optimizer: bf16 with a client optimizer
+        # stage-0 unfused optimizer (bf16 with a client optimizer): it decides on overflow (``overflow_checker``)
+        # before it takes the norm, so the extra norm, taken once per step, joins that decision first
+        checker, original_check = optimizer.overflow_checker, optimizer.overflow_checker.check
+        original = optimizer.unscale_and_clip_grads
+        extra = {}
+
+        def check(*args, **kwargs):
+            extra["norm"] = float(extra_norm())
+            return original_check(*args, **kwargs) or not math.isfinite(extra["norm"])
 
         def unscale_and_clip_grads(total_norm, apply_scale=True):
-            total_norm = float(torch.tensor([total_norm, float(extra_norm())]).norm())
+            norm = extra.pop("norm") if "norm" in extra else float(extra_norm())
+            total_norm = float(torch.tensor([total_norm, norm]).norm())
             optimizer._global_grad_norm = total_norm
             return original(total_norm, apply_scale)
 
+        checker.check = check
         optimizer.unscale_and_clip_grads = unscale_and_clip_grads
         return lambda: (optimizer._global_grad_norm, optimizer.loss_scale_config.cur_scale)
     raise TypeError(f"granular_offload: cannot fold gradients into the global norm of {type(optimizer).__name__} "
                     f"(written against DeepSpeed 0.19.8's ZeRO 1/2, bf16 and stage-0 unfused optimizers)")
+
+
+def drop_gradients_with(engine, drop: Callable[[], None]) -> None:
+    """Make the ``zero_grad`` of ``engine``'s ZeRO 1/2, bf16 or unfused optimizer call ``drop()`` too, for gradients it
+    does not hold. DeepSpeed 0.19.8 calls it after every optimizer step, a skipped one (inf or NaN gradients)
+    included (``engine._take_model_step``), and ZeRO 1/2 and the unfused optimizer within a skipped step; a client
+    optimizer the engine uses as it is (fp32 ZeRO 0) has its own ``zero_grad``."""
+    optimizer = engine.optimizer
+    if optimizer is basic_optimizer(engine):
+        return
+    original = optimizer.zero_grad
+
+    def zero_grad(*args, **kwargs):
+        original(*args, **kwargs)
+        drop()
+
+    optimizer.zero_grad = zero_grad
 
 
 def steps_when_built(engine) -> bool:

@@ -174,7 +174,9 @@ def attach_to_engine(engine) -> None:
     host_params the engine replaced outside ``Module._apply`` (its bf16 cast). For its own groups (host_params outside DeepSpeed's
     optimizer): give them the zero-gradient step DeepSpeed's stage-0 unfused optimizer gave the other groups,
     fold their gradients into DeepSpeed's global gradient norm (so that clipping and the reported norm cover the
-    whole model) and reduce them in the engine's communication dtype. Nothing to do for other optimizers."""
+    whole model; an inf or NaN there makes DeepSpeed skip the step), drop them whenever DeepSpeed zeroes its gradients
+    (after every step, a skipped one included) and reduce them in the engine's communication dtype. Nothing to do
+    for other optimizers."""
     optimizer = ds_state.basic_optimizer(engine)
     if not isinstance(optimizer, GranularOffloadOptimizer):
         return
@@ -184,6 +186,7 @@ def attach_to_engine(engine) -> None:
         if ds_state.steps_when_built(engine):
             optimizer.zero_gradient_step()
         optimizer.global_grad_norm = ds_state.include_in_gradient_norm(engine, optimizer.own_grad_norm)
+        ds_state.drop_gradients_with(engine, optimizer.drop_own_gradients)
         optimizer.communication_dtype = engine.communication_data_type
 
 

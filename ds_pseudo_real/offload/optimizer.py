@@ -366,6 +366,21 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                 host.copy_(master)  # bf16: round the master into the host params (no device copy)
         self._streamed.clear()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's, and the own groups' gradients dropped too (:meth:`drop_own_gradients`)."""
+        super().zero_grad(set_to_none)
+        self.drop_own_gradients()
+
+    def drop_own_gradients(self) -> None:
+        """Forget the own groups' gradients not stepped yet, on the device and in the host buffers; their weights,
+        moments and step counts stay. What DeepSpeed does with its own gradients when it zeroes them, which it
+        does after every optimizer step, a skipped one (inf or NaN gradients) included."""
+        for p in self._own_group_of:
+            p.grad = None
+        for p in list(self._streamed):
+            self._wait_streamed(p)  # a copy still in flight would write the buffer after this
+        self._streamed.clear()
+
     def remove_hooks(self) -> None:
         """Take the gradient-streaming hooks and the host-param fetch hooks off the model (before a delink)."""
         for handle in self._hooks:
