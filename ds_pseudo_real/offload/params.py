@@ -68,7 +68,7 @@ class HostParamStore:
                 module.register_forward_pre_hook(lambda m, a, k=k: self._before_forward(k)),
                 module.register_forward_hook(lambda m, a, o, k=k: self._after_forward(k)),
                 module.register_full_backward_pre_hook(lambda m, g, k=k: self._before_backward(k)),
-                module.register_full_backward_hook(lambda m, gi, go, k=k: self._release(k)),
+                module.register_full_backward_hook(lambda m, gi, go, k=k: self._after_backward(k, gi)),
             ]
 
     def _convert_on_host(self, module: nn.Module) -> None:
@@ -154,8 +154,8 @@ class HostParamStore:
 
     # The hooks. A forward that runs inside a backward is activation checkpointing's recompute: the layer's backward
     # follows at once (so it stays fetched), the next layer to need its parameters is the one before it, and the
-    # end-of-backward callback releases whatever a recompute or a layer without a backward hook (its input needs no
-    # gradient) left fetched, so that no buffer outlives the backward and reaches the next forward after the step.
+    # end-of-backward callback releases whatever a recompute or a layer whose input needs no gradient left fetched,
+    # so that no buffer outlives the backward and reaches the next forward after the step.
     def _before_forward(self, k: int) -> None:
         if _in_backward():
             self._queue_end_of_backward()
@@ -170,6 +170,12 @@ class HostParamStore:
     def _before_backward(self, k: int) -> None:
         self._queue_end_of_backward()
         self._use(k, k - 1)
+
+    def _after_backward(self, k: int, grad_input) -> None:
+        # With no input gradient to compute (frozen embeddings before the first layer) torch 2.x fires the full
+        # backward hook at once, before the layer's backward has run (grad_input all None): not released here then.
+        if any(g is not None for g in grad_input):
+            self._release(k)
 
     def _queue_end_of_backward(self) -> None:
         task = torch._C._current_graph_task_id()
