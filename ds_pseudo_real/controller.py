@@ -399,10 +399,13 @@ class PseudoToRealController:
         carried = 0
         if moments:
             ds_state.seed_optimizer_state(engine, counters)
+            starts: Dict[str, Dict[str, torch.Tensor]] = {}  # one per shared parameter: set_full_moments copies
             for name, param in engine.module.named_parameters():
                 source, members = self._leader_name(name)
-                if source in moments:
-                    ds_state.set_full_moments(engine, param, member_moments(policy, moments[source], members))
+                if source in moments:  # the pseudo moments go as soon as their starting values exist
+                    starts[source] = member_moments(policy, moments.pop(source), members)
+                if source in starts:
+                    ds_state.set_full_moments(engine, param, starts[source])
                     carried += 1
         self.state.switch_step = self.engine.global_steps
         report = {

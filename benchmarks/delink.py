@@ -1,0 +1,221 @@
+"""The delink at scale: its time against one copy of the real parameters, its peak host memory against the rank's
+real-stage bytes, and whether the pseudo engine is freed, for the dense GPT and the M6 MoE at 1 and 2 ranks and
+ZeRO 1/2/3 (measured side by side in one run); plus the M6-10T figure from the byte model (no run).
+
+Per rank, after one pseudo step:
+- ``delink_over_copy``: the delink's seconds / the seconds of one clone of the real parameters this rank builds
+  (fp32, the same shapes; a fresh allocation, pages touched, as the delink's are);
+- ``peak_host_over_real``: (peak RSS during the delink - the RSS of the process before any model existed) / the
+  rank's real-stage bytes (parameters, gradients, fp32 master and optimizer state, DeepSpeed's own accounting; on a
+  CPU run they all live on the host). The peak is the kernel's high-water mark, reset just before the delink;
+- ``freed``: weak references to the pseudo engine and its optimizer are dead after the delink and ``gc.collect()``,
+  and the module given to ``initialize`` is dead or holds no storage.
+A rank row reports the worst rank. A configuration DeepSpeed refuses (its MoE under ZeRO-3) is reported as such.
+
+    python benchmarks/delink.py            # ~4 min on 2 CPU cores; writes benchmarks/results/delink.json
+    python benchmarks/delink.py --quick    # smaller models, 1 and 2 ranks, ZeRO 1 and 3 only
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.common import RESULTS, markdown_table, write_json  # noqa: E402
+
+MODELS = {
+    "dense": {"gpt": {"n_layer": 8, "d_model": 512, "n_head": 8, "seq_len": 16}},
+    "moe": {"m6": {"preset": "m6-tiny", "num_layers": 4, "hidden_size": 256, "num_heads": 4, "expert_ffn_size": 512,
+                   "seq_length": 16}},
+}
+QUICK = {
+    "dense": {"gpt": {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 16}},
+    "moe": {"m6": {"preset": "m6-tiny", "seq_length": 16}},
+}
+
+
+def rss_bytes(field: str = "VmRSS") -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's high-water mark (VmHWM) to the current RSS (Linux >= 4.0: ``clear_refs`` 5)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def worker(model: str, zero: int, policy: str, quick: bool) -> Dict:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    import ds_pseudo_real
+    from ds_pseudo_real.models.build import build_model, model_spec, parameter_groups
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    floor = rss_bytes()
+    section = json.loads(json.dumps((QUICK if quick else MODELS)[model]))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": zero},
+              "pseudo_to_real": {"layers": "layers", "switch": {"at_step": 10**9}, "optimizer_state": policy},
+              **section}
+    spec = model_spec(config, {}, vocab_size=256, world_size=world, groups=1)
+    module = build_model(spec, seed=0)
+    engine, _, _, _ = ds_pseudo_real.initialize(model=module, config=config, model_parameters=parameter_groups(spec))
+    x = torch.randint(0, 256, (2, spec.seq_len), generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x, x))
+    engine.step()
+    pseudo = weakref.ref(engine.engine)
+    pseudo_optimizer = weakref.ref(engine.engine.optimizer)
+    caller_module = weakref.ref(module)
+    del module
+    gc.collect()
+    before = rss_bytes()
+    peak_ok = reset_peak_rss()
+    report = engine.delink()
+    peak = rss_bytes("VmHWM") if peak_ok else None
+    gc.collect()
+    freed = {"engine": pseudo() is None, "optimizer": pseudo_optimizer() is None,
+             "caller_module_released": caller_module() is None
+             or sum(p.numel() for p in caller_module().parameters()) == 0}
+    real_bytes = sum(report["memory_after"].values())
+    shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in engine.module.parameters()]
+    source = [torch.ones(s) for s in shapes]
+    copies = []
+    for _ in range(3):
+        start = time.perf_counter()
+        clone = [t.clone() for t in source]
+        copies.append(time.perf_counter() - start)
+        del clone
+        gc.collect()
+    copy_s = sorted(copies)[1]
+    del source
+    result = {
+        "rank": rank, "world": world, "zero": zero, "model": model, "policy": policy,
+        "parameters_before": report["parameters_before"], "parameters_after": report["parameters_after"],
+        "rank_real_parameters": sum(int(torch.Size(s).numel()) for s in shapes),
+        "delink_s": report["seconds"], "copy_s": copy_s, "delink_over_copy": report["seconds"] / copy_s,
+        "rss_floor": floor, "rss_before_delink": before, "peak_rss_during_delink": peak,
+        "real_stage_bytes": real_bytes, "memory_after": report["memory_after"],
+        "peak_host_over_real": None if peak is None else (peak - floor) / real_bytes,
+        "freed": freed,
+    }
+    engine.engine.destroy()
+    return result
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_case(model: str, world: int, zero: int, policy: str, quick: bool, timeout: float) -> Dict:
+    """One configuration on ``world`` gloo ranks (torchrun); the worst rank's figures."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
+           str(free_port()), __file__, "--worker", model, str(zero), policy] + (["--quick"] if quick else [])
+    case = {"model": model, "world": world, "zero": zero, "policy": policy}
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {**case, "error": f"timed out after {timeout:.0f} s"}
+    ranks = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or len(ranks) != world:
+        lines = [line.split("]: ", 1)[-1] for line in (proc.stderr + proc.stdout).splitlines()
+                 if line.startswith("[rank") and "Error: " in line]
+        return {**case, "error": (lines[0] if lines else f"exit status {proc.returncode}")[:300]}
+    worst = lambda key: max(r[key] for r in ranks if r[key] is not None) if any(  # noqa: E731
+        r[key] is not None for r in ranks) else None
+    return {**case, "parameters_before": ranks[0]["parameters_before"],
+            "parameters_after": ranks[0]["parameters_after"],
+            "delink_s": max(r["delink_s"] for r in ranks), "copy_s": max(r["copy_s"] for r in ranks),
+            "delink_over_copy": worst("delink_over_copy"), "peak_host_over_real": worst("peak_host_over_real"),
+            "freed": all(all(r["freed"].values()) for r in ranks), "ranks": ranks}
+
+
+def m6_10t_plan_only(world: int = 512, expert_parallel: int = 512, ranks_per_node: int = 8) -> Dict:
+    """Host bytes per rank the delink needs for M6-10T at ``world`` GPUs, from the parameter counts: today every
+    rank materializes its whole real model (its experts, all dense layers, the embedding) in fp32 on the host, next
+    to the gathered fp32 weights and both Adam moments of its pseudo model; the goal is the rank's real-stage host
+    bytes x 1.2 plus one layer (here without offload, so about one fp32 layer)."""
+    from ds_pseudo_real.moe.architecture import M6_10T, embedding_parameters, layer_parameters
+
+    layer = layer_parameters(M6_10T, expert_parallel)
+    real = embedding_parameters(M6_10T) + M6_10T.num_layers * layer
+    pseudo = embedding_parameters(M6_10T) + layer
+    today = 4 * real + 3 * 4 * pseudo
+    goal = 4 * layer
+    return {"world": world, "expert_parallel": expert_parallel, "rank_real_parameters": real,
+            "rank_pseudo_parameters": pseudo, "layer_parameters_per_rank": layer,
+            "host_bytes_per_rank_today": today, "host_bytes_per_node_today": today * ranks_per_node,
+            "host_bytes_per_rank_goal_without_offload": goal, "ranks_per_node": ranks_per_node}
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", nargs=3, metavar=("MODEL", "ZERO", "POLICY"), help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="small models; ZeRO 1 and 3 only")
+    parser.add_argument("--policy", default="scale", choices=("copy", "scale", "reset"))
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
+    parser.add_argument("--out", default=str(RESULTS / "delink.json"))
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        model, zero, policy = args.worker
+        result = worker(model, int(zero), policy, args.quick)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    cases = []
+    for model in ("dense", "moe"):
+        for world in (1, 2):
+            for zero in ((1, 3) if args.quick else (1, 2, 3)):
+                case = run_case(model, world, zero, args.policy, args.quick, args.timeout)
+                cases.append(case)
+                print(json.dumps({k: v for k, v in case.items() if k != "ranks"}), flush=True)
+    plan = m6_10t_plan_only()
+    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    rows = [[c["model"], c["world"], c["zero"], f"{c['parameters_before']:,} -> {c['parameters_after']:,}",
+             f"{c['delink_s']:.2f}", f"{c['copy_s']:.3f}", f"{c['delink_over_copy']:.1f}",
+             "n/a" if c["peak_host_over_real"] is None else f"{c['peak_host_over_real']:.2f}",
+             "yes" if c["freed"] else "NO"] if "error" not in c else
+            [c["model"], c["world"], c["zero"], "refused: " + c["error"], "", "", "", "", ""] for c in cases]
+    table = markdown_table(["model", "ranks", "ZeRO", "parameters", "delink s", "one copy s", "delink / copy",
+                            "peak host / real-stage bytes", "pseudo engine freed"], rows)
+    table += (f"\n\nM6-10T at {plan['world']} GPUs, EP {plan['expert_parallel']} (byte model, no run): each rank "
+              f"builds {plan['rank_real_parameters']:,} real parameters; the delink holds "
+              f"{gib(plan['host_bytes_per_rank_today'])} of host memory per rank today "
+              f"({gib(plan['host_bytes_per_node_today'])} per {plan['ranks_per_node']}-GPU node); the goal is about "
+              f"one fp32 layer, {gib(plan['host_bytes_per_rank_goal_without_offload'])}, without offload.")
+    print(table, flush=True)
+    write_json(args.out, {"args": vars(args), "cases": cases, "m6_10t_plan_only": plan, "table_markdown": table})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
