@@ -11,7 +11,9 @@ import sys
 from typing import List, Optional
 
 from ds_pseudo_real.config import ConfigError, load_ds_config
-from ds_pseudo_real.offload.config import ModelSize, explicit_levels, parse_granular_offload, training_setup
+from ds_pseudo_real.offload.config import (
+    ACCELERATORS, ModelSize, explicit_levels, parse_granular_offload, training_setup,
+)
 from ds_pseudo_real.offload.planner import (
     PlacementLevel, PlanError, describe_plan, format_bytes, parse_bytes, place, plan_placement, uniform_groups,
 )
@@ -56,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="DeepSpeed JSON with a granular_offload section")
     parser.add_argument("--device-memory", type=_byte_arg,
                         help="device budget per rank, e.g. 32GB (1e9) or 32GiB (2**30); overrides the section's")
+    parser.add_argument("--host-memory", type=_byte_arg,
+                        help="host memory per rank, e.g. 200GiB; plans needing more are refused; overrides the "
+                             "section's host_memory")
+    parser.add_argument("--accelerator", choices=ACCELERATORS, default="cuda",
+                        help="what the run trains on: cuda (default) counts the reserve, pinned-memory rounding, "
+                             "stream pools and DeepSpeed's reduce bucket; cpu plans a CPU-only run")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (ZeRO partitions over them)")
     parser.add_argument("--num-layers", type=int, help="overrides granular_offload.model.num_layers")
     parser.add_argument("--layer-params", type=int, help="parameters per layer per rank; overrides the section's")
@@ -75,6 +83,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             ds_config.setdefault("granular_offload", {})
             ds_config["granular_offload"].pop("levels", None)
             ds_config["granular_offload"]["device_memory"] = args.device_memory
+        if args.host_memory is not None:
+            ds_config.setdefault("granular_offload", {})["host_memory"] = args.host_memory
         section = parse_granular_offload(ds_config)
         if section is None:
             raise ConfigError(f"{args.config}: no enabled granular_offload section and no --device-memory given")
@@ -100,20 +110,21 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ConfigError(f"invalid config:\n  expert_parallel: got {expert_parallel}; it must divide the "
                               f"world size ({args.world_size})")
         groups = uniform_groups(num_layers, layer_params, other, shared, experts, args.world_size // expert_parallel)
-        setup = training_setup(ds_config, section, args.world_size, num_layers)
+        setup = training_setup(ds_config, section, args.world_size, num_layers, args.accelerator)
         resident = place(groups, {}, setup, section.device_memory)
         print(f"without offload: device {format_bytes(resident.device_bytes)} per rank"
               + ("" if section.device_memory is None else
                  f" ({'fits' if resident.fits() else 'does not fit'} {format_bytes(section.device_memory)})"))
-        if section.levels is not None:
-            plan = place(groups, explicit_levels(section, groups), setup)
-        else:
-            try:
+        try:
+            if section.levels is not None:
+                plan = place(groups, explicit_levels(section, groups), setup)
+            else:
                 plan = plan_placement(groups, setup, section.device_memory, PlacementLevel(section.max_level))
-            except PlanError as error:
-                if error.plan is not None:
-                    print(f"furthest placement (does not fit):\n{describe_plan(error.plan)}")
-                raise
+        except PlanError as error:
+            if error.plan is not None:
+                furthest = "placement" if section.levels is not None else "furthest placement"
+                print(f"{furthest} (does not fit):\n{describe_plan(error.plan)}")
+            raise
         print(describe_plan(plan))
         return 0
     except (ConfigError, PlanError) as error:

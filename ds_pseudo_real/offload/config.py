@@ -1,15 +1,19 @@
 """The ``granular_offload`` section of a DeepSpeed JSON config, and what the planner reads from the rest of it.
 
 Owns: the pydantic model of the section (validated like DeepSpeed's own sections, errors through
-``ds_pseudo_real.config``), and turning a DeepSpeed config + world size into the planner's ``TrainingSetup``.
-Must not build models, optimizers or engines.
+``ds_pseudo_real.config``), and turning a DeepSpeed config + world size into the planner's ``TrainingSetup``,
+with DeepSpeed 0.19.8's defaults for what it reads from ``zero_optimization``. Must not build models, optimizers
+or engines.
 
     "granular_offload": {
         "device_memory": "32GB",          # plan within this budget per device (int bytes, "GB" = 1e9, "GiB" = 2**30)
         "levels": {"0": "device", "47": "host_optimizer", "other": "device"},   # ... or explicit levels instead
         "max_level": "host_params",       # furthest level the planner may use
         "activations": {"micro_batch": 1, "seq_len": 1024, "hidden": 1024, "heads": 16, "checkpointing": true},
-        "reserved": "2GiB",               # kept free on the device (allocator fragmentation, buffers)
+        "reserved": "2GiB",               # kept free on the device (CUDA context, NCCL, fragmentation); default
+                                          # planner.DEFAULT_RESERVED_BYTES (1 GiB) on CUDA, 0 on a CPU-only run
+        "host_memory": "200GiB",          # refuse plans needing more host memory per rank (pinned, rounded)
+        "pcie_gb_per_s": 12, "cpu_adam_params_per_s": 5e8,   # the modelled step time (defaults in planner)
         "prefetch": true, "pin_memory": true,
         "model": {"num_layers": 48, "layer_params": 4200000, "expert_params": 409000000, "expert_parallel": 512,
                   "other_params": 22000000, "shared_groups": 1}  # for the plan command only (per rank)
@@ -24,10 +28,15 @@ from pydantic import Field, field_validator, model_validator
 
 from ds_pseudo_real.config import ConfigError, SectionModel, validate_section
 from ds_pseudo_real.offload.planner import (
-    EXPERTS, OTHER, GroupSize, PlacementLevel, PlanError, TrainingSetup, estimate_activation_bytes, parse_bytes,
+    DEFAULT_CPU_ADAM_PARAMS_PER_S, DEFAULT_PCIE_BYTES_PER_S, DEFAULT_RESERVED_BYTES, DTYPE_BYTES, EXPERTS, OTHER,
+    STREAM_POOL_BYTES, GroupSize, PlacementLevel, PlanError, TrainingSetup, estimate_activation_bytes, parse_bytes,
 )
 
 SECTION = "granular_offload"
+ACCELERATORS = ("cuda", "cpu")
+# zero_optimization defaults of DeepSpeed 0.19.8 (runtime/zero/config.py) that the byte model reads
+REDUCE_BUCKET_SIZE = 500_000_000
+CONTIGUOUS_GRADIENTS = True
 
 
 class ActivationEstimate(SectionModel):
@@ -66,12 +75,15 @@ class GranularOffloadConfig(SectionModel):
     max_level: PlacementLevel = PlacementLevel.HOST_PARAMS
     activations: Optional[ActivationEstimate] = None
     activation_bytes: Optional[int] = None
-    reserved: int = 0
+    reserved: Optional[int] = None  # None: DEFAULT_RESERVED_BYTES on CUDA, 0 on a CPU-only run
+    host_memory: Optional[int] = None  # per rank
+    pcie_gb_per_s: float = Field(DEFAULT_PCIE_BYTES_PER_S / 1e9, gt=0)
+    cpu_adam_params_per_s: float = Field(DEFAULT_CPU_ADAM_PARAMS_PER_S, gt=0)
     prefetch: bool = True
     pin_memory: bool = True
     model: Optional[ModelSize] = None
 
-    @field_validator("device_memory", "activation_bytes", "reserved", mode="before")
+    @field_validator("device_memory", "activation_bytes", "reserved", "host_memory", mode="before")
     @classmethod
     def _bytes(cls, value: Any) -> Any:
         return None if value is None else parse_bytes(value)
@@ -110,9 +122,41 @@ def parse_granular_offload(ds_config: Mapping[str, Any]) -> Optional[GranularOff
     return section if section.enabled else None
 
 
+def _zero_key(zero: Mapping[str, Any], key: str, default: Any, kind: type) -> Any:
+    """``zero_optimization[key]`` checked as DeepSpeed would: a bool, or an element count > 0 (5e8 accepted)."""
+    value = zero.get(key, default)
+    if value is None:
+        return default
+    if kind is bool and isinstance(value, bool):
+        return value
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if kind is int and not isinstance(value, bool) and integral and value > 0:
+        return int(value)
+    accepted = "true or false" if kind is bool else "an element count > 0, e.g. 500000000 or 5e8"
+    raise ConfigError(f"invalid config:\n  zero_optimization.{key}: got {value!r}; accepted: {accepted}")
+
+
+def default_accelerator() -> str:
+    """The accelerator this process runs on, as the offload optimizer sees it (CUDA when torch finds it)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig, world_size: int,
-                   num_layers: int) -> TrainingSetup:
-    """Read dtype and ZeRO stage from the DeepSpeed config; data-parallel size is ``world_size`` (no model parallel)."""
+                   num_layers: int, accelerator: Optional[str] = None) -> TrainingSetup:
+    """Read dtype, ZeRO stage and DeepSpeed's reduce bucket from the DeepSpeed config; data-parallel size is
+    ``world_size`` (no model parallel).
+
+    ``accelerator`` (default: this process's, ``default_accelerator()``): ``"cuda"`` counts the overheads only a
+    CUDA device has: the ``reserved`` default, pinned-memory rounding (with ``pin_memory``), the side streams'
+    allocator pools, and DeepSpeed's reduce bucket (on the CPU, ``torch.empty``'s pages are committed only where
+    gradients are written into it, so it is not counted). ``"cpu"`` plans a CPU-only run.
+    """
+    accelerator = accelerator or default_accelerator()
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator: got {accelerator!r}, accepted: {list(ACCELERATORS)}")
+    cuda = accelerator == "cuda"
     zero = ds_config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     for key in ("offload_optimizer", "offload_param"):
@@ -128,8 +172,17 @@ def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig,
                                                a.checkpointing)
     else:
         activation = section.activation_bytes or 0
+    reduce_bucket = 0
+    if cuda and stage in (1, 2) and _zero_key(zero, "contiguous_gradients", CONTIGUOUS_GRADIENTS, bool):
+        buffers = 2 if _zero_key(zero, "overlap_comm", False, bool) else 1  # DeepSpeed: None -> stage == 3
+        reduce_bucket = buffers * _zero_key(zero, "reduce_bucket_size", REDUCE_BUCKET_SIZE, int) * DTYPE_BYTES[dtype]
+    reserved = section.reserved if section.reserved is not None else (DEFAULT_RESERVED_BYTES if cuda else 0)
     try:
-        return TrainingSetup(dtype, stage, world_size, activation, section.reserved)
+        return TrainingSetup(
+            dtype, stage, world_size, activation, reserved, reduce_bucket_bytes=reduce_bucket,
+            stream_pool_bytes=STREAM_POOL_BYTES if cuda else 0, pinned_host=cuda and section.pin_memory,
+            host_memory_bytes=section.host_memory, pcie_bytes_per_s=section.pcie_gb_per_s * 1e9,
+            cpu_adam_params_per_s=section.cpu_adam_params_per_s)
     except PlanError as error:
         raise ConfigError(f"invalid config:\n  {error}") from None
 

@@ -23,20 +23,57 @@ Byte model (per rank, written against DeepSpeed 0.19.8 ``stage_1_and_2.py`` / ``
       device but the prefetch buffer and the gradients of one layer in flight. At stage 0 (bf16) the engine
       all-reduces them, so the gradients n*w stay on the device until the step. The host holds params n*w, a
       separate fp32 master 4*n when w != 4, a gradient buffer 4*n and moments 8*n (not partitioned).
+
+Besides the groups, per rank (``TrainingSetup`` carries the figures; ``config.training_setup`` fills them from the
+DeepSpeed config for the accelerator the run is on):
+  Device, all the time: ``reserved`` (CUDA context, NCCL and cuBLAS buffers, fragmentation; the config's default
+      is ``DEFAULT_RESERVED_BYTES`` on CUDA) and one allocator pool per side stream of the offload
+      (``stream_pool_bytes`` each: the host optimizer's copies when a group is off the device, the fetches when
+      one is at HOST_PARAMS).
+  Device, during the backward: activations, the prefetch buffer, the streamed gradients and DeepSpeed's reduce
+      bucket (ZeRO 1/2: ``reduce_bucket_size`` elements of the gradient dtype, twice with ``overlap_comm``;
+      ``stage_1_and_2.py`` ``setup_buckets`` allocates it whatever the model's size). No all-gather bucket: ZeRO
+      1/2 and the bf16 optimizer gather into their flat buffers with ``all_gather_into_tensor``
+      (``runtime/utils.py`` ``all_gather_dp_groups``) whenever torch has it, which every accepted torch does.
+  Device, during the step (after the backward freed the above): ZeRO 1/2 flatten each DeepSpeed group's gradient
+      partition (m*w) and cast it to fp32 (4*m more when w != 4), one group at a time: the largest group's.
+  Host: each kind of buffer above (params, master, gradient buffer, each moment) is one flat allocation per
+      group; pinned ones (CUDA, ``pin_memory``) are rounded up to a power of two by PyTorch's caching host
+      allocator (torch 2.13 ``CachingHostAllocator.h``), so ``host_allocated_bytes`` is what the host gives, and
+      it is what ``host_memory`` bounds.
+Modelled time the offload adds to a step (no overlap assumed: an upper bound): the moved bytes over PCIe at
+``pcie_bytes_per_s`` plus the host Adam over the elements the host steps at ``cpu_adam_params_per_s``.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 OTHER = "other"  # name of the group holding every parameter outside the layer list
 EXPERTS = ".experts"  # suffix of a layer's MoE expert group: "layer3.experts"
+
+# Defaults of the figures the byte model cannot read from a config (per rank), each overridable.
+# Kept free on a CUDA device (granular_offload.reserved): the CUDA context and its kernels (0.3 to 0.6 GiB, outside
+# PyTorch's allocator), NCCL communicator buffers, cuBLAS workspaces and the caching allocator's fragmentation.
+DEFAULT_RESERVED_BYTES = 2**30
+# Per side stream: PyTorch's CUDA caching allocator reuses a freed block only on the stream it was allocated on, so
+# each stream holds at least one small-pool segment (kSmallBuffer, 2 MiB) and one large-pool segment (kLargeBuffer,
+# 20 MiB) of its own (torch 2.13 c10/core/AllocatorConfig.h, c10/cuda/CUDACachingAllocator.cpp).
+STREAM_POOL_BYTES = 22 * 2**20
+# granular_offload.pcie_gb_per_s: pinned host<->device copies on PCIe 3.0 x16 (15.75 GB/s raw, ~12 GB/s measured),
+# the V100 nodes M6-10T trained on; PCIe 4.0 doubles it, two GPUs behind one switch halve it.
+DEFAULT_PCIE_BYTES_PER_S = 12e9
+# granular_offload.cpu_adam_params_per_s: DeepSpeedCPUAdam is bound by memory bandwidth (~28 B read and written per
+# fp32 parameter: param, gradient, two moments); eight ranks sharing a two-socket node's ~150 GB/s get ~0.5e9 each
+# (one core of an AMD EPYC VM stepped 0.75e9 params/s on a 20M-parameter step, DeepSpeed 0.19.8).
+DEFAULT_CPU_ADAM_PARAMS_PER_S = 5e8
 
 
 class PlacementLevel(str, Enum):
@@ -55,6 +92,10 @@ class PlanError(ValueError):
     def __init__(self, message: str, plan: Optional["OffloadPlan"] = None):
         super().__init__(message)
         self.plan = plan
+
+
+class HostMemoryError(PlanError):
+    """The placement needs more host memory per rank than ``host_memory`` gives (``plan``: that placement)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +134,12 @@ class TrainingSetup:
     dp_size: int = 1
     activation_bytes: int = 0
     reserved_bytes: int = 0
+    reduce_bucket_bytes: int = 0  # DeepSpeed's gradient reduce bucket(s), during the backward
+    stream_pool_bytes: int = 0  # per side stream of the offload
+    pinned_host: bool = False  # host buffers pinned: each rounded up to a power of two
+    host_memory_bytes: Optional[int] = None  # refuse placements needing more host memory per rank
+    pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_PER_S
+    cpu_adam_params_per_s: float = DEFAULT_CPU_ADAM_PARAMS_PER_S
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -101,6 +148,10 @@ class TrainingSetup:
             raise PlanError(f"zero_optimization.stage: got {self.zero_stage!r}, granular offload accepts 0, 1, 2")
         if self.dp_size < 1:
             raise PlanError(f"world size / data-parallel size: got {self.dp_size!r}, accepted: an integer >= 1")
+        for name, rate in (("pcie_gb_per_s", self.pcie_bytes_per_s / 1e9),
+                           ("cpu_adam_params_per_s", self.cpu_adam_params_per_s)):
+            if not rate > 0:
+                raise PlanError(f"granular_offload.{name}: got {rate!r}, accepted: a number > 0")
 
     @property
     def working_bytes(self) -> int:
@@ -142,35 +193,86 @@ def partition_numel(numel: int, setup: TrainingSetup, dp_size: Optional[int] = N
     return math.ceil(numel / alignment) * alignment // dp
 
 
+def outside_deepspeed(level: PlacementLevel, setup: TrainingSetup) -> bool:
+    """A group at ``level`` is stepped and reduced by the offload optimizer alone, not in DeepSpeed's groups."""
+    return PlacementLevel(level) is PlacementLevel.HOST_PARAMS and setup.host_params_outside_deepspeed
+
+
+def host_buffers(numel: int, level: PlacementLevel, setup: TrainingSetup, dp_size: Optional[int] = None
+                 ) -> Tuple[int, ...]:
+    """Bytes of each host allocation of one group at ``level``: params (HOST_PARAMS), a separate fp32 master, the
+    gradient buffer, then the two moments; one flat buffer each."""
+    level = PlacementLevel(level)
+    w, m = setup.working_bytes, partition_numel(numel, setup, dp_size)
+    if level is PlacementLevel.DEVICE:
+        return ()
+    if level is PlacementLevel.HOST_OPTIMIZER:
+        return (FP32 * m,) * (2 + ADAM_STATES)
+    if outside_deepspeed(level, setup):
+        separate_master = (FP32 * numel,) if w != FP32 else ()
+        return (numel * w,) + separate_master + (FP32 * numel,) * (1 + ADAM_STATES)
+    return (numel * w,) + (FP32 * m,) * (1 + ADAM_STATES)  # fp32 ZeRO 0: the host params are the master
+
+
+def pinned_bytes(size: int) -> int:
+    """Bytes PyTorch's caching host allocator gives for a pinned allocation of ``size``: the next power of two."""
+    return 1 << (size - 1).bit_length() if size > 0 else 0
+
+
+def host_numel_stepped(numel: int, level: PlacementLevel, setup: TrainingSetup, dp_size: Optional[int] = None
+                       ) -> int:
+    """Elements the host Adam steps for one group at ``level`` (its partition, or all of it outside DeepSpeed)."""
+    level = PlacementLevel(level)
+    if level is PlacementLevel.DEVICE:
+        return 0
+    return numel if outside_deepspeed(level, setup) else partition_numel(numel, setup, dp_size)
+
+
 def group_bytes(numel: int, level: PlacementLevel, setup: TrainingSetup, uses: int = 1,
                 dp_size: Optional[int] = None) -> GroupBytes:
     """The byte model of the module docstring for one group at ``level``; ``uses`` multiplies the fetches,
-    ``dp_size`` overrides the ranks the group is partitioned over."""
+    ``dp_size`` overrides the ranks the group is partitioned over. Host bytes are the tensors' (unrounded)."""
     level = PlacementLevel(level)
     w, m = setup.working_bytes, partition_numel(numel, setup, dp_size)
     params = numel * w
     grads = (m if setup.zero_stage == 2 else numel) * w
     ds_master = FP32 * m if setup.has_separate_master else 0
     moments = ADAM_STATES * FP32 * m
+    host = sum(host_buffers(numel, level, setup, dp_size))
     if level is PlacementLevel.DEVICE:
         return GroupBytes(params + grads + ds_master + moments, 0, 0, moments, 0)
     if level is PlacementLevel.HOST_OPTIMIZER:
-        host = 2 * FP32 * m + moments
         return GroupBytes(params + grads + ds_master, host, 2 * FP32 * m, 0, host)
-    if setup.host_params_outside_deepspeed:
-        separate_master = FP32 * numel if w != FP32 else 0
-        host = params + separate_master + FP32 * numel + ADAM_STATES * FP32 * numel
+    if outside_deepspeed(level, setup):
         device = 0 if setup.streams_gradients else numel * w
         return GroupBytes(device, host, FP32 * numel + 2 * params * uses, 0, host)
-    host = params + FP32 * m + moments  # fp32 ZeRO 0: the host params are the master
     return GroupBytes(grads, host, FP32 * numel + 2 * params * uses, 0, host)
 
 
-@dataclass
+def flat_gradient_bytes(numel: int, setup: TrainingSetup, dp_size: Optional[int] = None) -> int:
+    """Device temporaries of DeepSpeed's ZeRO 1/2 step for one of its groups: the flattened gradient partition in
+    the working dtype, and its fp32 copy when that dtype is not fp32 (``stage_1_and_2.py`` ``step``)."""
+    if setup.zero_stage == 0:
+        return 0
+    m = partition_numel(numel, setup, dp_size)
+    return m * setup.working_bytes + (FP32 * m if setup.working_bytes != FP32 else 0)
+
+
+@dataclass(frozen=True)
 class GroupPlacement:
     group: GroupSize
     level: PlacementLevel
     bytes: GroupBytes
+    host_buffers: Tuple[int, ...] = ()
+    flat_gradient_bytes: int = 0  # DeepSpeed's step temporaries for this group (0 outside its groups)
+
+
+@functools.lru_cache(maxsize=4096)  # the planner places the same few group sizes thousands of times
+def _placement(group: GroupSize, level: PlacementLevel, setup: TrainingSetup) -> GroupPlacement:
+    return GroupPlacement(
+        group, level, group_bytes(group.numel, level, setup, group.uses, group.dp_size),
+        host_buffers(group.numel, level, setup, group.dp_size),
+        0 if outside_deepspeed(level, setup) else flat_gradient_bytes(group.numel, setup, group.dp_size))
 
 
 @dataclass
@@ -208,13 +310,63 @@ class OffloadPlan:
         return max(self._fetched_layers(), default=0) * self.setup.working_bytes
 
     @property
+    def side_streams(self) -> int:
+        """Side streams the offload allocates on: the host optimizer's copies, the parameter fetches."""
+        offloaded = any(p.level is not PlacementLevel.DEVICE for p in self.placements)
+        fetched = any(p.level is PlacementLevel.HOST_PARAMS for p in self.placements)
+        return int(offloaded) + int(fetched)
+
+    @property
+    def stream_pool_bytes(self) -> int:
+        return self.side_streams * self.setup.stream_pool_bytes
+
+    @property
+    def backward_bytes(self) -> int:
+        """Device bytes held only during the forward and backward."""
+        return (self.setup.activation_bytes + self.prefetch_buffer_bytes + self.streamed_gradient_bytes
+                + self.setup.reduce_bucket_bytes)
+
+    @property
+    def flat_gradient_bytes(self) -> int:
+        """Device temporaries of DeepSpeed's step: the largest of its groups' flattened gradients (ZeRO 1/2)."""
+        return max((p.flat_gradient_bytes for p in self.placements), default=0)
+
+    @property
     def device_bytes(self) -> int:
-        return (sum(p.bytes.device for p in self.placements) + self.prefetch_buffer_bytes
-                + self.streamed_gradient_bytes + self.setup.activation_bytes + self.setup.reserved_bytes)
+        """Peak per rank: the groups, the stream pools and ``reserved``, plus the larger of the backward's and
+        the step's temporaries."""
+        return (sum(p.bytes.device for p in self.placements) + self.stream_pool_bytes + self.setup.reserved_bytes
+                + max(self.backward_bytes, self.flat_gradient_bytes))
 
     @property
     def host_bytes(self) -> int:
+        """Bytes of the host tensors (what the optimizer holds)."""
         return sum(p.bytes.host for p in self.placements)
+
+    @property
+    def host_allocated_bytes(self) -> int:
+        """Host memory per rank: ``host_bytes`` with each pinned buffer rounded up to a power of two."""
+        if not self.setup.pinned_host:
+            return self.host_bytes
+        return sum(pinned_bytes(size) for p in self.placements for size in p.host_buffers)
+
+    @property
+    def host_stepped_numel(self) -> int:
+        """Elements the host Adam steps per step on this rank."""
+        return sum(host_numel_stepped(p.group.numel, p.level, self.setup, p.group.dp_size) for p in self.placements)
+
+    @property
+    def transfer_seconds(self) -> float:
+        return self.moved_bytes_per_step / self.setup.pcie_bytes_per_s
+
+    @property
+    def host_adam_seconds(self) -> float:
+        return self.host_stepped_numel / self.setup.cpu_adam_params_per_s
+
+    @property
+    def offload_seconds_per_step(self) -> float:
+        """Modelled time the offload adds to a step: the transfers, then the host Adam (no overlap assumed)."""
+        return self.transfer_seconds + self.host_adam_seconds
 
     @property
     def moved_bytes_per_step(self) -> int:
@@ -240,6 +392,9 @@ class OffloadPlan:
     def fits(self) -> bool:
         return self.budget_bytes is None or self.device_bytes <= self.budget_bytes
 
+    def fits_host(self) -> bool:
+        return self.setup.host_memory_bytes is None or self.host_allocated_bytes <= self.setup.host_memory_bytes
+
 
 def place(groups: Sequence[GroupSize], levels: Mapping[str, PlacementLevel], setup: TrainingSetup,
           budget_bytes: Optional[int] = None) -> OffloadPlan:
@@ -258,9 +413,22 @@ def place(groups: Sequence[GroupSize], levels: Mapping[str, PlacementLevel], set
             raise PlanError(f"granular_offload.levels.{group.name}: 'host_params' is for the layers' parameters "
                             f"(fetched by layer hooks), not for parameters outside the layers; accepted for "
                             f"{group.name!r}: 'device', 'host_optimizer'")
-        plan.placements.append(GroupPlacement(group, level, group_bytes(group.numel, level, setup, group.uses,
-                                                                              group.dp_size)))
+        plan.placements.append(_placement(group, level, setup))
+    if not plan.fits_host():
+        need, limit = plan.host_allocated_bytes, setup.host_memory_bytes
+        raise HostMemoryError(
+            f"granular_offload.host_memory: the placement needs {format_bytes(need)} ({need} bytes) of host memory "
+            f"per rank{_pinned_note(setup)}, above host_memory {format_bytes(limit)} ({limit} bytes); accepted: a "
+            f"placement within it: fewer groups off the device (a larger device_memory, or levels nearer the "
+            f"device), more data-parallel ranks, a larger host_memory" + (", or pin_memory false (no rounding)"
+                                                                          if setup.pinned_host else ""),
+            plan,
+        )
     return plan
+
+
+def _pinned_note(setup: TrainingSetup) -> str:
+    return " (pinned: each buffer rounded up to a power of two)" if setup.pinned_host else ""
 
 
 def plan_placement(groups: Sequence[GroupSize], setup: TrainingSetup, budget_bytes: int,
@@ -277,6 +445,7 @@ def plan_placement(groups: Sequence[GroupSize], setup: TrainingSetup, budget_byt
     plan = place(groups, levels, setup, budget_bytes)
     while not plan.fits():
         candidates = []
+        host_refused: List[HostMemoryError] = []
         for placement in plan.placements:
             order = allowed.index(placement.level)
             if order + 1 >= len(allowed):
@@ -286,6 +455,9 @@ def plan_placement(groups: Sequence[GroupSize], setup: TrainingSetup, budget_byt
                 continue
             try:
                 trial = place(groups, {**levels, placement.group.name: nxt}, setup, budget_bytes)
+            except HostMemoryError as error:
+                host_refused.append(error)
+                continue
             except PlanError:  # the last experts DeepSpeed's optimizer must keep
                 continue
             freed = plan.device_bytes - trial.device_bytes
@@ -294,6 +466,18 @@ def plan_placement(groups: Sequence[GroupSize], setup: TrainingSetup, budget_byt
             # is taken only when no step frees anything, so that later ones can.
             key = (freed > 0, freed / max(added, 1) if freed > 0 else freed, -order, placement.group.index)
             candidates.append((key, placement.group.name, nxt, trial))
+        if not candidates and host_refused:
+            missing = plan.device_bytes - budget_bytes
+            least = min(error.plan.host_allocated_bytes for error in host_refused)
+            raise HostMemoryError(
+                f"granular_offload: nothing fits both the device budget of {format_bytes(budget_bytes)} and "
+                f"host_memory {format_bytes(setup.host_memory_bytes)} ({setup.host_memory_bytes} bytes) per rank: "
+                f"the furthest placement within host_memory needs {format_bytes(plan.device_bytes)} on the device, "
+                f"{format_bytes(missing)} ({missing} bytes) missing, and offloading one more group needs at least "
+                f"{format_bytes(least)} ({least} bytes) of host memory{_pinned_note(setup)}; raise "
+                f"granular_offload.host_memory or device_memory, or the data-parallel size",
+                plan,
+            )
         if not candidates:
             missing = plan.device_bytes - budget_bytes
             raise PlanError(
@@ -394,12 +578,23 @@ def describe_plan(plan: OffloadPlan) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [head] + ["  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows]
     counts = {lvl.value: sum(p.level is lvl for p in plan.placements) for lvl in LEVEL_ORDER}
-    lines.append(
+    rounding = plan.host_allocated_bytes - plan.host_bytes
+    lines += [
         f"groups per level: {counts}; device total {format_bytes(plan.device_bytes)} ({plan.device_bytes} B) "
-        f"(activations {format_bytes(s.activation_bytes)}, reserved {format_bytes(s.reserved_bytes)}, "
+        f"(reserved {format_bytes(s.reserved_bytes)}, {plan.side_streams} side stream pools "
+        f"{format_bytes(plan.stream_pool_bytes)}; backward: activations {format_bytes(s.activation_bytes)}, "
         f"prefetch buffer {format_bytes(plan.prefetch_buffer_bytes)}, streamed gradients "
-        f"{format_bytes(plan.streamed_gradient_bytes)}); host total {format_bytes(plan.host_bytes)}; "
-        f"moved per step {format_bytes(plan.moved_bytes_per_step)}"
-    )
+        f"{format_bytes(plan.streamed_gradient_bytes)}, reduce bucket {format_bytes(s.reduce_bucket_bytes)}; "
+        f"step: flat gradients {format_bytes(plan.flat_gradient_bytes)})",
+        f"host per rank {format_bytes(plan.host_allocated_bytes)} ({plan.host_allocated_bytes} B): tensors "
+        f"{format_bytes(plan.host_bytes)}"
+        + (f", pinned rounding +{format_bytes(rounding)} (+{100 * rounding / plan.host_bytes:.1f} %)"
+           if plan.host_bytes and s.pinned_host else "")
+        + ("" if s.host_memory_bytes is None else f"; host_memory {format_bytes(s.host_memory_bytes)}"),
+        f"moved per step {format_bytes(plan.moved_bytes_per_step)}; modelled offload time per step "
+        f"{plan.offload_seconds_per_step:.3g} s = PCIe {plan.transfer_seconds:.3g} s (at "
+        f"{s.pcie_bytes_per_s / 1e9:g} GB/s) + host Adam {plan.host_adam_seconds:.3g} s "
+        f"({plan.host_stepped_numel:,} params at {s.cpu_adam_params_per_s:.3g}/s)",
+    ]
     return "\n".join(lines)
 

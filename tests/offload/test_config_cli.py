@@ -19,6 +19,38 @@ def test_absent_or_disabled_section_is_none():
 def test_budget_units_and_defaults():
     section = parse_granular_offload({"granular_offload": {"device_memory": "2GiB", "reserved": "1MB"}})
     assert (section.device_memory, section.reserved, section.max_level) == (2 * 2**30, 10**6, "host_params")
+    section = parse_granular_offload({"granular_offload": {"device_memory": 1, "host_memory": "200GiB"}})
+    assert (section.reserved, section.host_memory) == (None, 200 * 2**30)
+    assert (section.pcie_gb_per_s, section.cpu_adam_params_per_s) == (12.0, 5e8)
+
+
+def test_setup_counts_cuda_overheads_with_deepspeeds_defaults():
+    section = parse_granular_offload({"granular_offload": {"device_memory": 1, "host_memory": 1000,
+                                                           "pcie_gb_per_s": 25, "cpu_adam_params_per_s": 1e9}})
+    bf16_zero2 = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+    setup = training_setup(bf16_zero2, section, 8, 4, "cuda")
+    # DeepSpeed 0.19.8: reduce_bucket_size 5e8 elements of the bf16 gradient (2 B), one buffer (overlap_comm off
+    # below stage 3); 1 GiB reserved; 22 MiB per side stream; pinned host buffers
+    assert (setup.reduce_bucket_bytes, setup.reserved_bytes, setup.stream_pool_bytes) == (10**9, 2**30, 22 * 2**20)
+    assert (setup.pinned_host, setup.host_memory_bytes) == (True, 1000)
+    assert (setup.pcie_bytes_per_s, setup.cpu_adam_params_per_s) == (25e9, 1e9)
+    overlap = {"zero_optimization": {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 1e6}}
+    assert training_setup(overlap, section, 8, 4, "cuda").reduce_bucket_bytes == 2 * 10**6 * 4  # two fp32 buffers
+    no_bucket = {"zero_optimization": {"stage": 2, "contiguous_gradients": False}}
+    assert training_setup(no_bucket, section, 8, 4, "cuda").reduce_bucket_bytes == 0
+    assert training_setup({"zero_optimization": {"stage": 0}}, section, 8, 4, "cuda").reduce_bucket_bytes == 0
+    # a CPU-only run: no CUDA context to reserve for, nothing pinned, no streams; the bucket's pages are not
+    # committed until written
+    cpu = training_setup(bf16_zero2, section, 8, 4, "cpu")
+    assert (cpu.reduce_bucket_bytes, cpu.reserved_bytes, cpu.stream_pool_bytes, cpu.pinned_host) == (0, 0, 0, False)
+    unpinned = parse_granular_offload({"granular_offload": {"device_memory": 1, "pin_memory": False, "reserved": 5}})
+    assert (training_setup(bf16_zero2, unpinned, 8, 4, "cuda").pinned_host,
+            training_setup(bf16_zero2, unpinned, 8, 4, "cuda").reserved_bytes) == (False, 5)
+    with pytest.raises(ConfigError, match=r"zero_optimization.reduce_bucket_size: got 'big'; accepted: an element "
+                                          r"count > 0, e\.g\. 500000000 or 5e8"):
+        training_setup({"zero_optimization": {"stage": 1, "reduce_bucket_size": "big"}}, section, 1, 4, "cuda")
+    with pytest.raises(ConfigError, match=r"zero_optimization.overlap_comm: got 1; accepted: true or false"):
+        training_setup({"zero_optimization": {"stage": 1, "overlap_comm": 1}}, section, 1, 4, "cuda")
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -29,6 +61,11 @@ def test_budget_units_and_defaults():
     ({}, "give exactly one of device_memory (plan within a budget) or levels"),
     ({"levels": {"x": "device"}}, "key 'x': accepted keys are layer indices ('0', '1', ...), a layer's experts ('0.experts') and 'other'"),
     ({"device_memory": 1, "max_level": "disk"}, "granular_offload.max_level: Input should be 'device'"),
+    ({"device_memory": 1, "pcie_gbps": 12}, "granular_offload.pcie_gbps: unknown key (got 12)"),
+    ({"device_memory": 1, "pcie_gb_per_s": 0}, "granular_offload.pcie_gb_per_s: Input should be greater than 0"),
+    ({"device_memory": 1, "cpu_adam_params_per_s": -1},
+     "granular_offload.cpu_adam_params_per_s: Input should be greater than 0"),
+    ({"device_memory": 1, "host_memory": "plenty"}, "granular_offload.host_memory: Value error, expected a byte count"),
 ])
 def test_errors_name_key_value_and_accepted(raw, expected):
     with pytest.raises(ConfigError) as info:
@@ -66,22 +103,29 @@ def write_config(tmp_path, section):
 
 
 def test_plan_command_prints_the_table(tmp_path, capsys):
-    # 4 layers of 1000 fp32 params at ZeRO 0 need 16000 bytes each on the device, 8000 at host_optimizer
+    # 4 layers of 1000 fp32 params at ZeRO 0 need 16000 bytes each on the device, 8000 at host_optimizer; planned
+    # for a CPU-only run (no CUDA reserve or stream pools)
     config = write_config(tmp_path, {"device_memory": 1, "max_level": "host_optimizer",
                                      "model": {"num_layers": 4, "layer_params": 1000}})
-    assert cli_main(["plan", "--config", config, "--device-memory", "50000", "--world-size", "1"]) == 0
+    assert cli_main(["plan", "--config", config, "--device-memory", "50000", "--world-size", "1",
+                     "--accelerator", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "without offload: device 62.50 KiB per rank (does not fit 48.83 KiB)" in out
     # 64000 - 50000: two layers must free 8000 each; the later layers go first
     assert "layer0..layer1 (2)  device          1,000        15.62 KiB    0 B        0 B" in out
     assert "layer2..layer3 (2)  host_optimizer  1,000        7.81 KiB     15.62 KiB  7.81 KiB" in out
     assert "device total 46.88 KiB (48000 B)" in out
+    # host: master, gradient buffer and two moments of 4000 B per offloaded layer, unpinned on the CPU; moved: the
+    # gradient out and the master in (8000 B per layer, 16000 in all) at 12 GB/s, and 2000 params at 5e8/s
+    assert "host per rank 31.25 KiB (32000 B): tensors 31.25 KiB\n" in out
+    assert (f"modelled offload time per step {16000 / 12e9 + 2000 / 5e8:.3g} s = PCIe {16000 / 12e9:.3g} s (at "
+            f"12 GB/s) + host Adam {2000 / 5e8:.3g} s (2,000 params at 5e+08/s)") in out
 
 
 def test_plan_command_says_what_is_missing(tmp_path, capsys):
     config = write_config(tmp_path, {"device_memory": 1, "max_level": "host_optimizer",
                                      "model": {"num_layers": 4, "layer_params": 1000}})
-    assert cli_main(["plan", "--config", config, "--device-memory", "30000"]) == 2
+    assert cli_main(["plan", "--config", config, "--device-memory", "30000", "--accelerator", "cpu"]) == 2
     assert "device needs 31.25 KiB, 1.95 KiB (2000 bytes) missing" in capsys.readouterr().err
 
 
@@ -104,29 +148,65 @@ def test_m6_10t_config_on_512_ranks_of_32gb(capsys, tmp_path):
     """configs/offload_m6_10t.json (bf16, ZeRO 1, experts spread over all 512 ranks): the fully shared pseudo model
     fits without offload. The real one fits only with experts at host_params: each rank's 48 x 409M expert
     parameters are not ZeRO-partitioned (replicated once), so at host_optimizer their bf16 params, grads and
-    DeepSpeed's fp32 copy stay on the device."""
+    DeepSpeed's fp32 copy stay on the device. Its host memory per rank, pinned, is the figure to check against the
+    nodes: 404 GiB, +31.3 % over the tensors' bytes."""
     config = str(REPO / "configs" / "offload_m6_10t.json")
+    n, dense, other = 408944640, 14684160, 22161408  # per rank: one layer's experts, its dense part, the rest
+    m_dense, m_other = dense // 512, other // 512  # ZeRO 1 partitions over 512 (both divide 2 * 512)
+    activations = 2 * 512 * 1024 * 48 + 512 * 1024 * (34 + 5 * 16 * 512 // 1024)  # bf16, checkpointing
+    bucket, pool, reserved = 5 * 10**8 * 2, 22 * 2**20, 2 * 2**30  # 5e8 bf16 gradient elements; config's 2GiB
     assert cli_main(["plan", "--config", config, "--world-size", "512", "--shared-groups", "1"]) == 0
     out = capsys.readouterr().out
-    assert "without offload: device 8.31 GiB per rank (fits 29.80 GiB)" in out
-    experts = 408944640
-    assert f"layer0.experts  device  {experts:,}  6.09 GiB" in out
+    # the shared set on the device; the step flattens the experts' bf16 gradients and casts them to fp32 (6 B each),
+    # more than the backward's activations and reduce bucket
+    resident = (4 * dense + 12 * m_dense) + 16 * n + (4 * other + 12 * m_other) + reserved + 6 * n
+    assert 6 * n > activations + bucket
+    assert "without offload: device 10.52 GiB per rank (fits 29.80 GiB)" in out
+    assert f"device total 10.52 GiB ({resident} B)" in out
+    assert f"layer0.experts  device  {n:,}  6.09 GiB" in out
     assert cli_main(["plan", "--config", config, "--world-size", "512"]) == 0
     out = capsys.readouterr().out
     # fetched: bf16 params 2 + fp32 master 4 + gradient buffer 4 + moments 8 B per param on the host
-    assert f"layer4.experts..layer47.experts (44)  host_params     {experts:,}  0 B          6.86 GiB" in out
+    assert f"layer4.experts..layer47.experts (44)  host_params     {n:,}  0 B          6.86 GiB" in out
     assert "layer3.experts                        host_optimizer" in out  # DeepSpeed keeps one MoE group
-    assert "device total 28.41 GiB (30505898928 B)" in out
-    assert "prefetch buffer 1.52 GiB, streamed gradients 780.00 MiB" in out  # 2 and 1 layers' experts in bf16
+    assert "layer3..layer47 (45)                  host_optimizer" in out
+    groups = (3 * (4 * dense + 12 * m_dense) + 45 * (4 * dense + 4 * m_dense) + 3 * 16 * n + 8 * n
+              + (4 * other + 12 * m_other))
+    backward = activations + 2 * 2 * n + 2 * n + bucket  # buffer of two layers' experts, one streamed, bucket
+    device = groups + 2 * pool + reserved + backward  # two side streams: the copies and the fetches
+    assert f"device total 29.39 GiB ({device} B)" in out
+    assert "prefetch buffer 1.52 GiB, streamed gradients 780.00 MiB, reduce bucket 953.67 MiB" in out
+    # host, pinned: every buffer of an expert group (2n or 4n bytes) rounds up to 2**30 or 2**31, 9 GiB a
+    # host_params group (+31.3 % over 18n) and 8 GiB at host_optimizer (16n); a dense group's 4 * m_dense bytes
+    # to 2**17
+    tensors = 45 * 16 * m_dense + 16 * n + 44 * 18 * n
+    pinned = 45 * 4 * 2**17 + 4 * 2**31 + 44 * (2**30 + 4 * 2**31)
+    assert round(100 * (9 * 2**30 / (18 * n) - 1), 1) == 31.3
+    assert f"host per rank 404.02 GiB ({pinned} B): tensors 307.75 GiB, pinned rounding +96.27 GiB (+31.3 %)" in out
+    assert tensors == 330447918720
+    # moved: each fetched expert group's fp32 gradient out and bf16 params in twice (8n), the host_optimizer
+    # groups' fp32 gradient out and master in (8 B per partition element)
+    moved = 44 * 8 * n + 8 * n + 45 * 8 * m_dense
+    stepped = 44 * n + n + 45 * m_dense
+    assert (f"modelled offload time per step {moved / 12e9 + stepped / 5e8:.3g} s = PCIe {moved / 12e9:.3g} s "
+            f"(at 12 GB/s) + host Adam {stepped / 5e8:.3g} s ({stepped:,} params at 5e+08/s)") in out
+    assert f"{moved / 12e9 + stepped / 5e8:.3g}" == "49.1"
     raw = json.loads(Path(config).read_text())
     raw["granular_offload"]["max_level"] = "host_optimizer"
     capped = tmp_path / "capped.json"
     capped.write_text(json.dumps(raw))
     assert cli_main(["plan", "--config", str(capped), "--world-size", "512"]) == 2
     err = capsys.readouterr().err
-    # per expert group at host_optimizer: bf16 params + grads (2 + 2 B) + fp32 copy (4 B) stay on the device
-    assert "the device needs 151.05 GiB" in err and "121.24 GiB (130185038416 bytes) missing" in err
-    assert 48 * 8 * experts < 151.05 * 2**30 < 48 * 8 * experts + 2**30 * 6
+    # per expert group at host_optimizer: bf16 params + grads (2 + 2 B) + fp32 copy (4 B) stay on the device; one
+    # side stream; the step's flat gradients (6n) exceed the backward's activations and bucket
+    needed = 48 * (4 * dense + 4 * m_dense) + 48 * 8 * n + (4 * other + 4 * m_other) + pool + reserved + 6 * n
+    missing = needed - 32 * 10**9
+    assert f"the device needs 153.27 GiB, 123.47 GiB ({missing} bytes) missing" in err
+    # a host_memory below the plan's 404 GiB refuses it, naming the key and the figures
+    assert cli_main(["plan", "--config", config, "--world-size", "512", "--host-memory", "256GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "granular_offload: nothing fits both the device budget of 29.80 GiB and host_memory 256.00 GiB " \
+           f"({256 * 2**30} bytes) per rank" in err
 
 
 def test_m6_config_plans_its_experts_per_layer(tmp_path, capsys):
@@ -144,7 +224,9 @@ def test_m6_config_plans_its_experts_per_layer(tmp_path, capsys):
            "experts over 512 ranks)" in captured.out
     assert "furthest placement (does not fit):" in captured.out
     assert "layer0.experts..layer47.experts (48)  host_optimizer  408,944,640  3.05 GiB     6.09 GiB" in captured.out
-    assert "119.16 GiB (127948425808 bytes) missing" in captured.err
+    # with every group at host_optimizer: 1 GiB reserved (the default on CUDA), one side stream pool (22 MiB) and
+    # the step's flat expert gradients (6 x 408,944,640 B; no activations given) come on top of the groups' bytes
+    assert f"122.47 GiB ({127948425808 + 2**30 + 22 * 2**20 + 6 * 408944640} bytes) missing" in captured.err
     raw = json.loads((REPO / "configs" / "m6_tiny.json").read_text())
     raw["granular_offload"]["model"]["other_params"] += 1
     path = tmp_path / "ds.json"

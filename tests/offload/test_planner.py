@@ -2,8 +2,8 @@
 import pytest
 
 from ds_pseudo_real.offload.planner import (
-    GroupSize, PlacementLevel as L, PlanError, TrainingSetup, describe_plan, group_bytes, parse_bytes,
-    partition_numel, place, plan_placement, uniform_groups,
+    STREAM_POOL_BYTES, GroupSize, HostMemoryError, PlacementLevel as L, PlanError, TrainingSetup, describe_plan,
+    group_bytes, host_buffers, parse_bytes, partition_numel, pinned_bytes, place, plan_placement, uniform_groups,
 )
 
 FP32_Z0 = TrainingSetup("fp32", 0, 1)
@@ -149,3 +149,117 @@ def test_planner_keeps_one_layers_experts_in_deepspeeds_optimizer_outside_fp32_z
     zero0 = place(groups, {g.name: L.HOST_PARAMS for g in groups if g.is_layer}, FP32_Z0)
     # one fetch per layer, dense part and experts together: two layers' worth in the buffer
     assert zero0.prefetch_buffer_bytes == 2 * 4 * 1100
+
+
+def test_pinned_host_buffers_round_up_to_powers_of_two():
+    assert [pinned_bytes(b) for b in (0, 1, 4000, 4096, 4097)] == [0, 1, 4096, 4096, 8192]
+    pinned = TrainingSetup("bf16", 2, 4, pinned_host=True)
+    # host_params outside DeepSpeed: bf16 params 2002 -> 2048; fp32 master, gradient buffer and two moments
+    # 4004 -> 4096 each
+    assert host_buffers(1001, L.HOST_PARAMS, pinned) == (2002, 4004, 4004, 4004, 4004)
+    # host_optimizer: master, gradient buffer and moments of the partition, 4 * 252 = 1008 -> 1024 each
+    assert host_buffers(1001, L.HOST_OPTIMIZER, pinned) == (1008,) * 4
+    groups = [GroupSize("layer0", 1001, 0), GroupSize("layer1", 1001, 1), GroupSize("other", 10)]
+    plan = place(groups, {"layer0": L.HOST_OPTIMIZER, "layer1": L.HOST_PARAMS}, pinned)
+    assert plan.host_bytes == 4 * 1008 + 2002 + 4 * 4004 == 22050
+    assert plan.host_allocated_bytes == 4 * 1024 + 2048 + 4 * 4096 == 22528
+    unpinned = place(groups, {"layer0": L.HOST_OPTIMIZER, "layer1": L.HOST_PARAMS}, TrainingSetup("bf16", 2, 4))
+    assert unpinned.host_allocated_bytes == unpinned.host_bytes == 22050
+    assert "host per rank 22.00 KiB (22528 B): tensors 21.53 KiB, pinned rounding +478 B (+2.2 %)" in \
+        describe_plan(plan)
+
+
+def test_pinned_rounding_of_an_m6_expert_group_is_31_percent():
+    # 20 experts of 2 x 1024 x 9984 per rank; bf16 at host_params outside DeepSpeed: params 2n B -> 2**30,
+    # master, gradient buffer and moments 4n B -> 2**31 each: 9 GiB for 18n = 6.86 GiB of tensors
+    n = 20 * 2 * 1024 * 9984
+    setup = TrainingSetup("bf16", 1, 512, pinned_host=True)
+    plan = place([GroupSize("layer0.experts", n, 0, dp_size=1), GroupSize("layer1.experts", 1, 1, dp_size=1)],
+                 {"layer0.experts": L.HOST_PARAMS}, setup)  # one expert group stays in DeepSpeed's optimizer
+    assert (plan.host_bytes, plan.host_allocated_bytes) == (18 * n, 2**30 + 4 * 2**31)
+    assert round(100 * (plan.host_allocated_bytes / plan.host_bytes - 1), 1) == 31.3
+
+
+def test_reduce_bucket_in_the_backward_flat_gradients_in_the_step():
+    # bf16 ZeRO 1 over 2 ranks, everything on the device. A layer of 1001 pads to 1004 (a multiple of 2 * 2), so
+    # m = 502: params 2002 + grads 2002 + fp32 partition 4 * 502 + moments 8 * 502 = 10028. other, 500: m = 250,
+    # 1000 + 1000 + 1000 + 2000 = 5000
+    groups = [GroupSize("layer0", 1001, 0), GroupSize("layer1", 1001, 1), GroupSize("other", 500)]
+    assert partition_numel(1001, TrainingSetup("bf16", 1, 2)) == 502
+    static = 2 * 10028 + 5000
+    # the step flattens one group's bf16 gradient partition (2 * 502) and casts it to fp32 (4 * 502): 3012 B for
+    # a layer; the backward holds the activations (100) and the bucket: the peak is the larger
+    setup = TrainingSetup("bf16", 1, 2, activation_bytes=100, reduce_bucket_bytes=3000)
+    plan = place(groups, {}, setup)
+    assert (plan.backward_bytes, plan.flat_gradient_bytes) == (3100, 3012)
+    assert plan.device_bytes == static + 3100
+    plan = place(groups, {}, TrainingSetup("bf16", 1, 2, activation_bytes=100, reduce_bucket_bytes=1000))
+    assert plan.device_bytes == static + 3012
+    # layers at host_params are outside DeepSpeed's groups: the largest flattened is other's (6 * 250)
+    plan = place(groups, {"layer0": L.HOST_PARAMS, "layer1": L.HOST_PARAMS}, TrainingSetup("bf16", 1, 2))
+    assert plan.flat_gradient_bytes == 1500
+    # fp32: the flat partition is already fp32 (no copy); ZeRO 0 flattens nothing in the step
+    assert place(groups, {}, TrainingSetup("fp32", 2, 2)).flat_gradient_bytes == 4 * 502
+    assert place(groups, {}, TrainingSetup("bf16", 0, 2)).flat_gradient_bytes == 0
+
+
+def test_one_allocator_pool_per_side_stream():
+    setup = TrainingSetup("fp32", 0, 1, stream_pool_bytes=STREAM_POOL_BYTES)
+    assert STREAM_POOL_BYTES == (2 + 20) * 2**20  # a small and a large segment of the CUDA caching allocator
+    resident = place(GROUPS, {}, setup)
+    assert (resident.side_streams, resident.device_bytes) == (0, 4 * 16000 + 8000)
+    copies = place(GROUPS, {"layer3": L.HOST_OPTIMIZER}, setup)  # the host optimizer's copies
+    assert (copies.side_streams, copies.device_bytes) == (1, 3 * 16000 + 8000 + 8000 + STREAM_POOL_BYTES)
+    # and the fetches: layer3's gradients (4000) and a buffer of one layer (4000) on the device
+    fetches = place(GROUPS, {"layer3": L.HOST_PARAMS}, setup)
+    assert (fetches.side_streams, fetches.device_bytes) == (2, 3 * 16000 + 8000 + 4000 + 4000 + 2 * STREAM_POOL_BYTES)
+
+
+def test_a_placement_above_host_memory_is_refused_naming_the_key():
+    # layer3 at host_optimizer, fp32 ZeRO 0: master, gradient buffer and moments of 4000 B, pinned 4096 each
+    pinned = TrainingSetup("fp32", 0, 1, pinned_host=True, host_memory_bytes=16000)
+    with pytest.raises(HostMemoryError) as info:
+        place(GROUPS, {"layer3": L.HOST_OPTIMIZER}, pinned)
+    assert str(info.value).startswith(
+        "granular_offload.host_memory: the placement needs 16.00 KiB (16384 bytes) of host memory per rank (pinned: "
+        "each buffer rounded up to a power of two), above host_memory 15.62 KiB (16000 bytes); accepted:")
+    assert "or pin_memory false (no rounding)" in str(info.value)
+    assert info.value.plan.host_allocated_bytes == 16384
+    unpinned = TrainingSetup("fp32", 0, 1, host_memory_bytes=16000)
+    assert place(GROUPS, {"layer3": L.HOST_OPTIMIZER}, unpinned).host_allocated_bytes == 16000
+
+
+def test_planner_stays_within_host_memory_or_says_which_limit_stops_it():
+    # all on the device 4 * 16000 + 8000 = 72000; a budget of 60000 needs two groups at host_optimizer (8000 freed
+    # by a layer, 4000 by other); each layer takes 4 * 4096 pinned host bytes, other 4 * 2048
+    setup = TrainingSetup("fp32", 0, 1, pinned_host=True, host_memory_bytes=40000)
+    plan = plan_placement(GROUPS, setup, budget_bytes=60000, max_level=L.HOST_OPTIMIZER)
+    assert plan.levels() == {"layer0": "device", "layer1": "device", "layer2": "host_optimizer",
+                             "layer3": "host_optimizer", "other": "device"}
+    assert (plan.device_bytes, plan.host_allocated_bytes) == (56000, 32768)
+    # 20000: after layer3 (16384), a second layer would need 32768 and other 16384 + 8192 = 24576
+    with pytest.raises(HostMemoryError) as info:
+        plan_placement(GROUPS, TrainingSetup("fp32", 0, 1, pinned_host=True, host_memory_bytes=20000),
+                       budget_bytes=60000, max_level=L.HOST_OPTIMIZER)
+    assert ("nothing fits both the device budget of 58.59 KiB and host_memory 19.53 KiB (20000 bytes) per rank: "
+            "the furthest placement within host_memory needs 62.50 KiB on the device, 3.91 KiB (4000 bytes) missing, "
+            "and offloading one more group needs at least 24.00 KiB (24576 bytes) of host memory") in str(info.value)
+    assert info.value.plan.levels()["layer3"] == "host_optimizer"
+
+
+def test_modelled_step_time_from_pcie_and_cpu_adam():
+    # fp32 ZeRO 0, layer2 at host_optimizer (gradient out 4000 + master in 4000, 1000 params stepped on the host),
+    # layer3 at host_params (gradient out 4000 + params in for the forward and the backward 2 * 4000, 1000 params)
+    setup = TrainingSetup("fp32", 0, 1, pcie_bytes_per_s=1e4, cpu_adam_params_per_s=500)
+    plan = place(GROUPS, {"layer2": L.HOST_OPTIMIZER, "layer3": L.HOST_PARAMS}, setup)
+    assert (plan.moved_bytes_per_step, plan.host_stepped_numel) == (20000, 2000)
+    assert (plan.transfer_seconds, plan.host_adam_seconds, plan.offload_seconds_per_step) == (2.0, 4.0, 6.0)
+    assert "modelled offload time per step 6 s = PCIe 2 s (at 1e-05 GB/s) + host Adam 4 s (2,000 params at 500/s)" \
+        in describe_plan(plan)
+    # ZeRO 2 over 4 ranks: the host steps its partition (252 of 1001) at host_optimizer, all 1001 outside DeepSpeed
+    zero2 = TrainingSetup("bf16", 2, 4, cpu_adam_params_per_s=1e3)
+    groups = [GroupSize("layer0", 1001, 0), GroupSize("layer1", 1001, 1), GroupSize("other", 10)]
+    plan = place(groups, {"layer0": L.HOST_OPTIMIZER, "layer1": L.HOST_PARAMS}, zero2)
+    assert plan.host_stepped_numel == 252 + 1001 and plan.host_adam_seconds == pytest.approx(1.253)
+    with pytest.raises(PlanError, match=r"granular_offload.pcie_gb_per_s: got 0.0, accepted: a number > 0"):
+        TrainingSetup(pcie_bytes_per_s=0)
