@@ -41,8 +41,9 @@ def plan_row(arch, stage: str, expert_parallel: int, world: int, dtype: str, zer
     from ds_pseudo_real.moe.architecture import (
         dense_parameters_per_layer, embedding_parameters, expert_parameters_per_layer,
     )
+    from ds_pseudo_real.offload.config import GranularOffloadConfig, training_setup
     from ds_pseudo_real.offload.planner import (
-        PlacementLevel, PlanError, TrainingSetup, estimate_activation_bytes, place, plan_placement, uniform_groups,
+        PlacementLevel, PlanError, estimate_activation_bytes, place, plan_placement, uniform_groups,
     )
 
     dp = world // expert_parallel
@@ -51,7 +52,10 @@ def plan_row(arch, stage: str, expert_parallel: int, world: int, dtype: str, zer
                             1 if stage == "pseudo" else None, expert_parameters_per_layer(arch, expert_parallel), dp)
     activation = estimate_activation_bytes(micro_batch, arch.seq_length, arch.hidden_size, arch.num_heads,
                                            arch.num_layers, dtype, checkpointing=True)
-    setup = TrainingSetup(dtype, zero, dp, activation, reserved)
+    # on CUDA with DeepSpeed's defaults: its reduce bucket, the offload's stream pools, pinned host buffers
+    ds_config = {"zero_optimization": {"stage": zero}, "bf16": {"enabled": dtype == "bf16"}}
+    section = GranularOffloadConfig(device_memory=budget, activation_bytes=activation, reserved=reserved)
+    setup = training_setup(ds_config, section, dp, arch.num_layers, accelerator="cuda")
     resident = place(groups, {}, setup, budget)
     row = {
         "stage": stage, "expert_parallel": expert_parallel, "data_parallel": dp, "dtype": dtype, "zero_stage": zero,
@@ -60,19 +64,22 @@ def plan_row(arch, stage: str, expert_parallel: int, world: int, dtype: str, zer
     }
     try:
         plan = resident if resident.fits() else plan_placement(groups, setup, budget, PlacementLevel.HOST_PARAMS)
-        row.update(
-            granular_fits=True,
-            levels={lvl.value: sum(p.level is lvl for p in plan.placements) for lvl in PlacementLevel},
-            device_bytes=plan.device_bytes, host_bytes=plan.host_bytes, moved_bytes_per_step=plan.moved_bytes_per_step,
-        )
+        row.update(granular_fits=True, **plan_figures(plan))
     except PlanError as error:
         # the furthest placement the planner allows, to say how far from the budget it is
-        floor = error.plan
-        row.update(granular_fits=False, device_bytes=floor.device_bytes, host_bytes=floor.host_bytes,
-                   moved_bytes_per_step=floor.moved_bytes_per_step,
-                   levels={lvl.value: sum(p.level is lvl for p in floor.placements) for lvl in PlacementLevel},
-                   error=str(error))
+        row.update(granular_fits=False, **plan_figures(error.plan), error=str(error))
     return row
+
+
+def plan_figures(plan) -> Dict:
+    from ds_pseudo_real.offload.planner import PlacementLevel
+
+    return dict(
+        levels={lvl.value: sum(p.level is lvl for p in plan.placements) for lvl in PlacementLevel},
+        device_bytes=plan.device_bytes, host_bytes=plan.host_bytes, host_allocated_bytes=plan.host_allocated_bytes,
+        moved_bytes_per_step=plan.moved_bytes_per_step, transfer_seconds=plan.transfer_seconds,
+        host_adam_seconds=plan.host_adam_seconds, offload_seconds_per_step=plan.offload_seconds_per_step,
+    )
 
 
 def gb(n: Optional[int]) -> str:
@@ -91,6 +98,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from ds_pseudo_real.moe.architecture import M6_10T, total_parameters
+    from ds_pseudo_real.offload.planner import DEFAULT_CPU_ADAM_PARAMS_PER_S, DEFAULT_PCIE_BYTES_PER_S
 
     arch = M6_10T
     counts = {
@@ -109,7 +117,8 @@ def main(argv=None) -> int:
           f"{counts['real_arithmetic']:,}; experts {counts['expert_parameters']:,})\n  pseudo model (one shared layer) "
           f"{counts['pseudo_meta']:,} parameters; real / pseudo = {counts['real_meta'] / counts['pseudo_meta']:.1f}")
     header = ["stage", "EP x D", "dtype, ZeRO", "params/GPU", "all on GPU GiB", "fits 32 GiB",
-              "granular: GPU GiB", "host GiB/GPU", "host GiB/node", "moved GiB/step", "levels"]
+              "granular: GPU GiB", "host GiB/GPU (pinned)", "host GiB/node", "moved GiB/step", "offload s/step",
+              "levels"]
     table_rows = []
     for r in rows:
         levels = ", ".join(f"{k} {v}" for k, v in r["levels"].items() if v)
@@ -118,11 +127,14 @@ def main(argv=None) -> int:
             f"{r['parameters_per_gpu'] / 1e9:.2f}B", gb(r["resident_device_bytes"]),
             "yes" if r["fits_without_offload"] else "no",
             gb(r["device_bytes"]) + ("" if r["granular_fits"] else " (no plan fits)"),
-            gb(r["host_bytes"]), gb(r["host_bytes"] * args.gpus_per_node), gb(r["moved_bytes_per_step"]), levels,
+            gb(r["host_allocated_bytes"]), gb(r["host_allocated_bytes"] * args.gpus_per_node),
+            gb(r["moved_bytes_per_step"]), f"{r['offload_seconds_per_step']:.1f}", levels,
         ])
     table = markdown_table(header, table_rows)
     print(f"\nper GPU on {args.world} x {args.gpu_memory_gib:g} GiB ({args.reserved_gib:g} GiB reserved, activations "
-          f"with full checkpointing, micro-batch {args.micro_batch}, seq {arch.seq_length}):\n{table}")
+          f"with full checkpointing, micro-batch {args.micro_batch}, seq {arch.seq_length}; host buffers pinned and "
+          f"rounded up to powers of two; offload time at {DEFAULT_PCIE_BYTES_PER_S / 1e9:g} GB/s PCIe and "
+          f"{DEFAULT_CPU_ADAM_PARAMS_PER_S:.3g} host Adam params/s):\n{table}")
     path = write_json(args.out / "m6_10t_plan.json", {
         "architecture": vars(arch) if hasattr(arch, "__dict__") else str(arch), "parameters": counts,
         "world": args.world, "gpu_memory_bytes": budget, "reserved_bytes": reserved, "rows": rows,
