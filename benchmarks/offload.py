@@ -40,6 +40,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--device-memory", default="4MB", help="granular budget per device, e.g. 20GB")
     parser.add_argument("--max-level", default="host_optimizer")
+    parser.add_argument("--reserved", default="0", help="granular_offload.reserved; 0: the plan's device total is "
+                        "compared with torch.cuda.max_memory_allocated, which holds neither the CUDA context nor NCCL")
+    parser.add_argument("--reduce-bucket-size", type=float, help="zero_optimization.reduce_bucket_size of every arm; "
+                        "default: the model's parameter count, at most DeepSpeed's 5e8 (a bucket never needs more "
+                        "than every gradient, and 5e8 would put 2 GB of fp32 bucket beside a small model)")
     parser.add_argument("--gradient-clipping", type=float, default=1.0, help="DeepSpeed's gradient_clipping (its "
                         "default 1.0); 0 keeps host_params groups bit-exact against the no-offload arm on CPU")
     parser.add_argument("--ratio", type=float, default=0.5, help="ZeRO-3 offload_optimizer.ratio")
@@ -49,9 +54,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def base_config(args, stage: int) -> Dict:
+def base_config(args, stage: int, numel: int) -> Dict:
+    """The DeepSpeed config of every arm, for a model of ``numel`` parameters."""
+    from ds_pseudo_real.offload.config import REDUCE_BUCKET_SIZE
+
+    bucket = int(args.reduce_bucket_size or min(REDUCE_BUCKET_SIZE, numel))
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+              "steps_per_print": 10**9, "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
               "gradient_clipping": args.gradient_clipping}
     if args.bf16:
@@ -69,30 +78,31 @@ def build_arm(arm: str, args):
 
     torch.manual_seed(0)
     model = build_gpt(args.layers, args.d_model, args.heads, args.seq_len)
+    numel = sum(p.numel() for p in model.parameters())
     if arm == "granular":
-        config = base_config(args, args.zero_stage)
-        config["granular_offload"] = {"device_memory": args.device_memory, "max_level": args.max_level}
+        config = base_config(args, args.zero_stage, numel)
+        config["granular_offload"] = {"device_memory": args.device_memory, "max_level": args.max_level,
+                                      "reserved": args.reserved}
         optimizer, config, plan = build_offload_optimizer(model, config, "layers", int(os.environ.get("WORLD_SIZE", 1)))
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         attach_to_engine(engine)
         return engine, optimizer, plan
     if arm == "none" and not torch.cuda.is_available():
         # the same Adam kernel and the same per-layer groups as the granular arm, so losses must be identical
-        config = base_config(args, args.zero_stage)
+        config = base_config(args, args.zero_stage, numel)
         params = config.pop("optimizer")["params"]
         config.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
         optimizer = DeepSpeedCPUAdam([{"params": ps} for ps in model_groups(model, "layers")[1]], **params)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         return engine, None, None
     stage = {"none": args.zero_stage, "zero2_offload": 2, "zero3_ratio": 3}[arm]
-    config = base_config(args, stage)
+    config = base_config(args, stage, numel)
     if arm == "zero2_offload":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if arm == "zero3_ratio":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": args.ratio}
         # several sub-groups per rank, else the ratio has nothing to split
-        total = sum(p.numel() for p in model.parameters())
-        config["zero_optimization"]["sub_group_size"] = max(1, total // (2 * args.layers))
+        config["zero_optimization"]["sub_group_size"] = max(1, numel // (2 * args.layers))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine, None, None
 
@@ -141,7 +151,9 @@ def run_arm(arm: str, args) -> Dict:
                           "predicted": {"optimizer_device": plan.optimizer_device_bytes,
                                         "optimizer_host": plan.optimizer_host_bytes,
                                         "moved_per_step": plan.moved_bytes_per_step,
-                                        "device_total": plan.device_bytes},
+                                        "device_total": plan.device_bytes,
+                                        "host_allocated": plan.host_allocated_bytes,
+                                        "offload_s_per_step": plan.offload_seconds_per_step},
                           "measured": {"optimizer_device": held["device"], "optimizer_host": held["host"],
                                        "moved_per_step": moved}}
     engine.destroy()
