@@ -4,7 +4,8 @@
 # missing), then runs benchmarks/offload.py twice and writes everything under $OUT (default benchmarks/results/gpu):
 #   1. exactness and byte accounting of a small model on the device (CUDA streams, pinned host buffers): the
 #      granular losses must equal the no-offload losses and the bytes the plan's prediction;
-#   2. step time and peak device memory of no offload, ZeRO-2 + full offload_optimizer, ZeRO-3 + ratio and the
+#   2. the planner's pinned-memory rounding and side-stream pool, measured (benchmarks/gpu/byte_model.py); then
+#      step time and peak device memory of no offload, ZeRO-2 + full offload_optimizer, ZeRO-3 + ratio and the
 #      granular plan for a 1.2B-parameter GPT in bf16 under a 12 GB budget (all resident it needs 18 GiB).
 # Without CUDA it runs step 1 on the CPU only. Usage: bash benchmarks/gpu/check.sh [BUNDLE_DIR, default .whl]
 set -uo pipefail
@@ -47,6 +48,8 @@ status=$?
 timeout 240 "$PY" benchmarks/offload.py --layers 8 --d-model 256 --device-memory "${budgets[1]}" --max-level host_params \
   --gradient-clipping 0 --arms none,granular --out "$OUT/offload_host_params.json" || status=$?
 if [ "$cuda" = 1 ]; then
+  # the planner's pinned-memory rounding and side-stream pool, measured (seconds)
+  timeout 120 "$PY" benchmarks/gpu/byte_model.py --out "$OUT/byte_model.json" || status=$?
   timeout 330 "$PY" benchmarks/offload.py --layers 24 --d-model 2048 --seq-len 256 --micro-batch 2 --bf16 --device-memory 12GB \
     --max-level host_params --arms all --out "$OUT/offload_gpu.json" || status=$?
 else
