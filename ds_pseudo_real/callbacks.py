@@ -21,6 +21,8 @@ class TrainingState:
     stage: str = PSEUDO
     switch_step: Optional[int] = None
     last_train_loss: Optional[float] = None
+    transitions_done: int = 0  # of a progressive schedule's transitions (a plain delink: 0, then 1)
+    groups: Optional[int] = None  # parameter sets of the layer list now
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -9,7 +9,7 @@ import difflib
 import json
 import os
 from enum import Enum
-from typing import Any, Dict, Literal, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -82,15 +82,87 @@ class SwitchTrigger(SectionModel):
         return self
 
 
+class ScheduleStage(SectionModel):
+    """One stage of a progressive schedule: ``groups`` parameter sets (omitted on the last stage: every layer its
+    own, the real model), entered when its trigger fires (none on the first stage)."""
+
+    groups: Optional[int] = Field(None, ge=1)
+    at_step: Optional[int] = Field(None, ge=1)
+    at_tokens: Optional[int] = Field(None, ge=1)
+    on_plateau: Optional[PlateauTrigger] = None
+
+    def trigger(self) -> Optional[SwitchTrigger]:
+        chosen = {k: getattr(self, k) for k in ("at_step", "at_tokens", "on_plateau") if getattr(self, k) is not None}
+        return SwitchTrigger(**chosen) if chosen else None
+
+
 class PseudoToRealConfig(SectionModel):
-    """Top-level ``"pseudo_to_real"`` section."""
+    """Top-level ``"pseudo_to_real"`` section: ``groups`` + ``switch`` (one delink to the real model), or a
+    ``schedule`` of stages, each an exact in-process transition from G to G' groups (G' a multiple of G)."""
 
     enabled: bool = True
     layers: str = Field("layers", min_length=1)
     groups: int = Field(1, ge=1)
     switch: SwitchTrigger = Field(default_factory=lambda: SwitchTrigger(at_step=1000))
+    schedule: Optional[List[ScheduleStage]] = None
     optimizer_state: OptimizerStatePolicy = OptimizerStatePolicy.COPY
     rewarmup_steps: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _schedule_shape(self) -> "PseudoToRealConfig":
+        if self.schedule is None:
+            return self
+        given = sorted({"groups", "switch"} & self.model_fields_set)
+        if given:
+            raise ValueError(f"give either 'schedule' or {given}, not both (the schedule's first stage has the "
+                             f"groups, each later stage its trigger)")
+        if len(self.schedule) < 2:
+            raise ValueError("schedule: give at least two stages, the first without a trigger")
+        first = self.schedule[0]
+        if first.groups is None or first.trigger() is not None:
+            raise ValueError("schedule[0]: the first stage gives 'groups' and no trigger (it is where training starts)")
+        steps = []
+        for index, stage in enumerate(self.schedule[1:], 1):
+            trigger = [k for k in ("at_step", "at_tokens", "on_plateau") if getattr(stage, k) is not None]
+            if len(trigger) != 1:
+                raise ValueError(f"schedule[{index}]: give exactly one of at_step, at_tokens, on_plateau; got "
+                                 f"{trigger or 'none'}")
+            if stage.groups is None and index != len(self.schedule) - 1:
+                raise ValueError(f"schedule[{index}]: only the last stage may omit 'groups' (the real model)")
+            if stage.at_step is not None:
+                steps.append((index, stage.at_step))
+        for (_, before), (index, step) in zip(steps, steps[1:]):
+            if step <= before:
+                raise ValueError(f"schedule[{index}].at_step: got {step}; it must come after the previous stage's "
+                                 f"{before}")
+        return self
+
+    def stage_groups(self, num_layers: int) -> List[int]:
+        """The group count of every stage, the last one ``num_layers`` (the real model); checks that each divides
+        the layer count and is a multiple of the one before."""
+        if self.schedule is None:
+            stages = [self.groups, num_layers]
+            names = ["pseudo_to_real.groups"]
+        else:
+            stages = [stage.groups or num_layers for stage in self.schedule]
+            names = [f"pseudo_to_real.schedule[{i}].groups" for i in range(len(stages))]
+        for name, groups in zip(names, stages):
+            if num_layers % groups:
+                raise ConfigError(f"{name}: got {groups}; it must be >= 1 and divide the number of layers "
+                                  f"({num_layers}); accepted values: "
+                                  f"{[g for g in range(1, num_layers + 1) if num_layers % g == 0]}")
+        for index, (before, after) in enumerate(zip(stages, stages[1:]), 1):
+            if self.schedule is not None and (after <= before or after % before):
+                raise ConfigError(f"{names[index]}: got {after}; each stage's groups must be a "
+                                  f"larger multiple of the previous stage's ({before}): a transition splits every "
+                                  f"group into equal runs of consecutive layers")
+        return stages
+
+    def triggers(self) -> List[SwitchTrigger]:
+        """The trigger of every transition, in order."""
+        if self.schedule is None:
+            return [self.switch]
+        return [stage.trigger() for stage in self.schedule[1:]]
 
 
 class CheckpointOptions(SectionModel):

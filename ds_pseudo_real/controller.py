@@ -40,7 +40,6 @@ from .sharing import (
     group_leader,
     layer_index_of,
     parameter_like,
-    sharing_groups,
 )
 from .transition import StageTransitionCallback, member_moments, rewarmup_factor
 
@@ -196,8 +195,9 @@ class PseudoToRealController:
         self._mpu = mpu
         self.layer_path = ptr_config.layers
         self.num_layers = len(get_layer_list(model, self.layer_path))
-        self.groups = ptr_config.groups if ptr_config.enabled else self.num_layers
-        sharing_groups(self.num_layers, self.groups)  # fails early, naming the key, if groups does not divide L
+        # fails early, naming the key, if a stage's groups does not divide L or does not split the stage before
+        self.stage_groups = ptr_config.stage_groups(self.num_layers) if ptr_config.enabled else [self.num_layers]
+        self.groups = self.stage_groups[0]
         if SECTION not in ds_config:
             log_rank0(f"no '{SECTION}' section in the config: Pseudo-to-Real is off, the real model trains from step 0")
         elif not ptr_config.enabled:
@@ -205,9 +205,9 @@ class PseudoToRealController:
         if ptr_config.enabled:
             apply_sharing(model, self.layer_path, self.groups)
         self._skeleton = meta_skeleton(model)
-        self.state = TrainingState(stage=PSEUDO if ptr_config.enabled else REAL)
+        self.state = TrainingState(stage=PSEUDO if ptr_config.enabled else REAL, groups=self.groups)
         self.control = TrainingControl()
-        builtin = [StageTransitionCallback(ptr_config.switch)] if ptr_config.enabled else []
+        builtin = [StageTransitionCallback(ptr_config.triggers())] if ptr_config.enabled else []
         self.callbacks = CallbackList(builtin + list(callbacks))
         plateau = ptr_config.switch.on_plateau
         self._track_train_loss = ptr_config.enabled and plateau is not None and plateau.metric == PlateauMetric.TRAINING.value
@@ -343,23 +343,44 @@ class PseudoToRealController:
             self.delink()
 
     # ---- the delink ----------------------------------------------------------------------------------------
-    def _leader_name(self, name: str) -> Tuple[str, int]:
-        """The pseudo-model parameter a real-model parameter starts from, and how many layers shared it."""
+    def _leader_name(self, name: str, groups: int) -> Tuple[str, int]:
+        """The parameter of the model with ``groups`` parameter sets that ``name`` (a parameter of a model with
+        more sets) starts from, and how many of the new sets split each old one (1 outside the layer list)."""
         index = layer_index_of(name, self.layer_path)
         if index is None:
             return name, 1
-        leader = group_leader(index, self.num_layers, self.groups)
+        leader = group_leader(index, self.num_layers, groups)
         prefix = f"{self.layer_path}.{index}."
         position = name.index(prefix)
-        return name[:position] + f"{self.layer_path}.{leader}." + name[position + len(prefix):], self.num_layers // self.groups
+        return name[:position] + f"{self.layer_path}.{leader}." + name[position + len(prefix):], self.groups // groups
 
-    def _build_real_engine(self, real_weights: Optional[Dict[str, torch.Tensor]]) -> None:
-        """The real model from the skeleton, with ``real_weights`` (real-model names) or uninitialized storage."""
+    def _build_engine(self, groups: int, weights: Optional[Dict[str, torch.Tensor]]) -> None:
+        """The model with ``groups`` parameter sets (``num_layers``: the real model) from the skeleton, with
+        ``weights`` (every layer's names) or uninitialized storage, and its engine."""
         skeleton = copy_with_parameters(self._skeleton, lambda p: parameter_like(p, torch.empty_like(p)))
         delink_layers(skeleton, self.layer_path)
-        real = materialize(skeleton, real_weights)
-        self.state.stage = REAL
-        self.engine, self.optimizer, _, self.lr_scheduler = self._initialize(real)
+        if groups < self.num_layers:
+            apply_sharing(skeleton, self.layer_path, groups)
+        model = materialize(skeleton, weights)
+        self.groups = self.state.groups = groups
+        self.state.stage = REAL if groups == self.num_layers else PSEUDO
+        self.engine, self.optimizer, _, self.lr_scheduler = self._initialize(model)
+
+    def _build_real_engine(self, real_weights: Optional[Dict[str, torch.Tensor]]) -> None:
+        self._build_engine(self.num_layers, real_weights)
+
+    @property
+    def next_groups(self) -> Optional[int]:
+        """The group count the next transition goes to (None in the last stage)."""
+        index = self.state.transitions_done + 1
+        return self.stage_groups[index] if index < len(self.stage_groups) and self.state.stage == PSEUDO else None
+
+    @property
+    def next_trigger(self):
+        """The trigger of the next transition (a ``SwitchTrigger``), None in the last stage."""
+        triggers = self.config.triggers()
+        done = self.state.transitions_done
+        return triggers[done] if self.next_groups is not None and done < len(triggers) else None
 
     def _release_engine(self) -> None:
         remove_hooks = getattr(ds_state.basic_optimizer(self.engine), "remove_hooks", None)
@@ -373,9 +394,12 @@ class PseudoToRealController:
         gc.collect()
 
     def delink(self) -> Dict[str, Any]:
-        """Turn the pseudo engine into the real one, in process; returns (and logs) what was done."""
-        if self.state.stage != PSEUDO:
-            raise RuntimeError(f"delink() called in the {self.state.stage} stage")
+        """Turn the pseudo engine into the next stage's, in process: the real one, or with a progressive schedule
+        the model with the next stage's groups (every group split into equal runs of consecutive layers, each run
+        starting from the group's values); returns (and logs) what was done."""
+        new_groups = self.next_groups
+        if new_groups is None:
+            raise RuntimeError(f"delink() called in the {self.state.stage} stage, with no stage after it")
         start = time.perf_counter()
         old = self.engine
         policy = self.config.optimizer_state
@@ -389,7 +413,10 @@ class PseudoToRealController:
         steps = {k: getattr(old, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
         del old
         self._release_engine()
-        self._build_real_engine(expand_state_dict(weights, self.layer_path, self.num_layers, self.groups))
+        old_groups = self.groups
+        self._build_engine(new_groups, expand_state_dict(weights, self.layer_path, self.num_layers, old_groups))
+        del weights
+        self.state.transitions_done += 1
         engine = self.engine
         for key, value in steps.items():
             setattr(engine, key, value)
@@ -401,7 +428,7 @@ class PseudoToRealController:
             ds_state.seed_optimizer_state(engine, counters)
             starts: Dict[str, Dict[str, torch.Tensor]] = {}  # one per shared parameter: set_full_moments copies
             for name, param in engine.module.named_parameters():
-                source, members = self._leader_name(name)
+                source, members = self._leader_name(name, old_groups)
                 if source in moments:  # the pseudo moments go as soon as their starting values exist
                     starts[source] = member_moments(policy, moments.pop(source), members)
                 if source in starts:
@@ -411,6 +438,8 @@ class PseudoToRealController:
         report = {
             "step": self.engine.global_steps,
             "seconds": round(time.perf_counter() - start, 3),
+            "groups_before": old_groups,
+            "groups_after": new_groups,
             "parameters_before": pseudo_numel,
             "parameters_after": parameter_numel(engine.module),
             "optimizer_state": policy,
@@ -432,7 +461,8 @@ class PseudoToRealController:
         log_rank0(
             f"delinked at step {report['step']} in {report['seconds']:.2f}s: parameters {report['parameters_before']:,}"
             f" -> {report['parameters_after']:,}; optimizer state '{report['optimizer_state']}'"
-            f" ({report['moments_carried']} tensors carried); LR re-warmup {report['rewarmup_steps']} steps"
+            f" ({report['moments_carried']} tensors carried); LR re-warmup {report['rewarmup_steps']} steps; "
+            f"parameter groups {report['groups_before']} -> {report['groups_after']}"
         )
         rank = dist.get_rank() if dist.is_initialized() else 0
         for when in ("before", "after"):
@@ -549,9 +579,10 @@ class PseudoToRealController:
         self._check_compatible(load_dir, tag, side)
         if side["kind"] == "converted":
             return self._load_converted(load_dir, tag, side)
-        if side["stage"] == REAL and self.state.stage == PSEUDO:
+        groups = self.num_layers if side["stage"] == REAL else side["groups"]
+        if groups != self.groups:  # a later stage's checkpoint: that stage's model first
             self._release_engine()
-            self._build_real_engine(None)
+            self._build_engine(groups, None)
         try:
             path, client = self.engine.load_checkpoint(load_dir, tag, **kwargs)
         except Exception as error:
@@ -583,8 +614,10 @@ class PseudoToRealController:
             )
         if side["kind"] == "converted":
             return
-        if side["stage"] == PSEUDO and side["groups"] != self.groups:
-            raise ConfigError(f"{where} has pseudo_to_real.groups={side['groups']}, config has {self.groups}")
+        if side["stage"] == PSEUDO and side["groups"] not in self.stage_groups:
+            raise ConfigError(f"{where} has {side['groups']} parameter groups; this run's stages have "
+                              f"{self.stage_groups[:-1] if self.stage_groups[-1] == self.num_layers else self.stage_groups}"
+                              f" (pseudo_to_real.groups or schedule)")
         world = dist.get_world_size() if dist.is_initialized() else 1
         zero = self.engine.zero_optimization_stage()
         saved_world, saved_zero = side.get("world_size", world), side.get("zero_stage", zero)
@@ -601,6 +634,9 @@ class PseudoToRealController:
 
     def _restore_plugin_state(self, plugin: Dict[str, Any]) -> None:
         self.state = TrainingState.from_dict(plugin["state"])
+        self.state.groups = self.groups  # checkpoints before progressive schedules do not record it
+        if self.state.stage == REAL and self.config.enabled:
+            self.state.transitions_done = len(self.stage_groups) - 1
         self.callbacks.load_state_dict(plugin["callbacks"])
 
     def _load_converted(self, load_dir: str, tag: str, side: Dict[str, Any]) -> Tuple[str, Dict]:

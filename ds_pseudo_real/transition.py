@@ -5,7 +5,7 @@ re-warmup factor. Must not touch engines: the controller applies what these deci
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -23,20 +23,32 @@ def plateaued(values: Sequence[float], window: int, min_improvement: float) -> b
 
 
 class StageTransitionCallback(TrainingCallback):
-    """Raises ``control.should_delink`` once, when the configured trigger fires in the pseudo stage."""
+    """Raises ``control.should_delink`` when the trigger of the next transition fires in the pseudo stage: one
+    trigger for a plain delink, one per transition of a progressive schedule (``state.transitions_done`` says which
+    is next; a plateau is judged on the values seen since the last transition)."""
 
-    def __init__(self, trigger: SwitchTrigger):
-        self.trigger = trigger
+    def __init__(self, trigger: Union[SwitchTrigger, Sequence[SwitchTrigger]]):
+        self.triggers = [trigger] if isinstance(trigger, SwitchTrigger) else list(trigger)
+        self.trigger = self.triggers[0]
         self.history: List[float] = []
+
+    def _current(self, state: TrainingState) -> Optional[SwitchTrigger]:
+        if state.stage != PSEUDO or state.transitions_done >= len(self.triggers):
+            return None
+        self.trigger = self.triggers[state.transitions_done]
+        return self.trigger
 
     def _plateau_fired(self, state: TrainingState) -> bool:
         plateau = self.trigger.on_plateau
         return state.global_step >= plateau.min_steps and plateaued(self.history, plateau.window, plateau.min_improvement)
 
+    def on_delink(self, state: TrainingState, report: Dict) -> None:
+        self.history = []
+
     def on_step_end(self, state: TrainingState, control: TrainingControl) -> None:
-        if state.stage != PSEUDO:
+        trigger = self._current(state)
+        if trigger is None:
             return
-        trigger = self.trigger
         if trigger.at_step is not None:
             control.should_delink = state.global_step >= trigger.at_step
         elif trigger.at_tokens is not None:
@@ -46,8 +58,9 @@ class StageTransitionCallback(TrainingCallback):
             control.should_delink = self._plateau_fired(state)
 
     def on_evaluate(self, state: TrainingState, control: TrainingControl, metrics: Dict[str, float]) -> None:
-        plateau = self.trigger.on_plateau
-        if state.stage != PSEUDO or plateau is None or plateau.metric != PlateauMetric.VALIDATION.value:
+        trigger = self._current(state)
+        plateau = trigger.on_plateau if trigger is not None else None
+        if plateau is None or plateau.metric != PlateauMetric.VALIDATION.value:
             return
         if "val_loss" not in metrics:
             raise KeyError("pseudo_to_real.switch.on_plateau.metric is 'val_loss' but report_eval() got no 'val_loss'")

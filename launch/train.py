@@ -106,11 +106,11 @@ def evaluate(engine, corpus, args, batch_size: int, seq_len: int, rank: int, wor
     return total.item() / (args.eval_batches * world)
 
 
-def switch_step(engine, ptr) -> Optional[int]:
-    """The step the delink is planned at, while it is ahead (a step trigger only: tokens and plateaus are not known)."""
-    if engine.stage != "pseudo" or ptr.switch.at_step is None:
-        return None
-    return ptr.switch.at_step
+def switch_step(engine) -> Optional[int]:
+    """The step the next transition is planned at, while it is ahead (a step trigger only: tokens and plateaus are
+    not known)."""
+    trigger = engine.next_trigger
+    return None if trigger is None else trigger.at_step
 
 
 def progress(done: int, start: int, steps: int, switch: Optional[int], run_start: float) -> str:
@@ -185,6 +185,8 @@ def train(argv: Optional[List[str]] = None) -> int:
     vocab, eod = (BYTE_VOCAB, None) if data.type == "byte_corpus" else indexed_vocabulary(data)
     flags = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "seq_len": args.seq_len}
     spec = model_spec(ds_config, flags, vocab_size=vocab, world_size=world, groups=ptr.groups if ptr.enabled else 1)
+    if ptr.enabled:
+        ptr.stage_groups(spec.num_layers)  # a progressive schedule's groups, checked before the model is built
     micro, gas = batch_shape(ds_config)
     if rank == 0:
         print(f"data: {data.describe()}", flush=True)
@@ -221,7 +223,7 @@ def train(argv: Optional[List[str]] = None) -> int:
     run_start = time.perf_counter()
     while engine.global_steps < steps:
         step = engine.global_steps
-        stage = engine.stage
+        stage, groups = engine.stage, engine.groups
         loss_sum = torch.zeros(2)
         for m in range(gas):
             x, y = corpus.batch("train", micro, seq_len, args.seed, step * gas + m, rank)
@@ -235,7 +237,7 @@ def train(argv: Optional[List[str]] = None) -> int:
         train_loss = loss_sum[0].item() / (gas * world)
         done = engine.global_steps
         window_steps += 1
-        record = {"step": done, "stage": stage, "train_loss": round(train_loss, 5),
+        record = {"step": done, "stage": stage, "groups": groups, "train_loss": round(train_loss, 5),
                   "lr": engine.optimizer.param_groups[0]["lr"], "tokens": done * tokens_per_step}
         events = {"train_loss": train_loss, "stage": 0.0 if stage == "pseudo" else 1.0}
         if engine.last_transition is not seen_transition:
@@ -256,7 +258,7 @@ def train(argv: Optional[List[str]] = None) -> int:
             events["tokens_per_s"] = rate
             val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
             print(f"step {done}/{steps} | stage {stage} | loss {train_loss:.4f}{val} | {rate:,.0f} tokens/s | "
-                  f"lr {record['lr']:.2e} | {progress(done, start_step, steps, switch_step(engine, ptr), run_start)}",
+                  f"lr {record['lr']:.2e} | {progress(done, start_step, steps, switch_step(engine), run_start)}",
                   flush=True)
             window_start, window_steps = time.perf_counter(), 0
         write_monitor(engine, events, done, tokens_per_step)
