@@ -148,10 +148,13 @@ def value_at(xs: Sequence[float], ys: Sequence[float], x: float) -> Tuple[float,
 
 # ---- statistics (pure) -----------------------------------------------------------------------------------------
 def spread(values: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
-    """Mean, sample standard deviation, min, max and count of the values that are not None."""
+    """Mean, sample standard deviation, min, max and count of the values that are not None, and the median over all
+    of them with a None counting as infinitely large (a seed that never reached a target: ``median_all``, None when
+    that median is infinite)."""
     present = [float(v) for v in values if v is not None]
     if not present:
-        return {"mean": None, "std": None, "min": None, "max": None, "n": 0, "missing": len(values)}
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0, "missing": len(values),
+                "median_all": None}
     return {
         "mean": statistics.fmean(present),
         "std": statistics.stdev(present) if len(present) > 1 else 0.0,
@@ -159,7 +162,17 @@ def spread(values: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
         "max": max(present),
         "n": len(present),
         "missing": len(values) - len(present),
+        "median_all": median_counting_missing(values),
     }
+
+
+def median_counting_missing(values: Sequence[Optional[float]]) -> Optional[float]:
+    """The median of ``values`` with every None counted as +infinity; None when the median itself is infinite."""
+    ordered = sorted(float(v) for v in values if v is not None) + [math.inf] * sum(v is None for v in values)
+    if not ordered:
+        return None
+    middle = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+    return None if math.isinf(middle) else middle
 
 
 def paired_differences(arm: Mapping[int, Optional[float]], baseline: Mapping[int, Optional[float]]) -> Dict[str, object]:

@@ -506,8 +506,9 @@ def print_tables(regime: Regime, summary: Dict, clocks: Sequence[str], costs: Di
         for metric in ["steps_to_target"] + [f"{c}_to_target" for c in clocks]:
             value, ratio = entry[metric], entry[f"{metric}_ratio_to_scratch"]
             miss = f", {value['missing']} never" if value["missing"] else ""
+            median_all = "∞" if ratio["median_all"] is None else fmt(ratio["median_all"], 2)
             row.append(f"{fmt(value['mean'], 0 if metric == 'steps_to_target' else 1)} "
-                       f"({fmt(ratio['mean'], 2)}±{fmt(ratio['std'], 2)}{miss})")
+                       f"({fmt(ratio['mean'], 2)}±{fmt(ratio['std'], 2)}{miss}; median of all {median_all})")
         for c in clocks:
             d = entry[f"{c}_equal_time_delta"]
             row.append(f"{fmt(d['mean'], signed=True)}±{fmt(d['std'])}")

@@ -49,6 +49,14 @@ def test_paired_differences_match_seed_by_seed():
     assert common.spread([None, None])["n"] == 0
 
 
+def test_median_over_all_seeds_counts_a_seed_that_never_reached_as_infinitely_slow():
+    assert common.spread([0.4, None, 0.6, 0.5])["median_all"] == pytest.approx(0.55)  # 0.4 0.5 0.6 inf
+    assert common.spread([0.4, None, 0.6, 0.5])["mean"] == pytest.approx(0.5)  # the reached seeds only
+    assert common.spread([0.4, None, None, 0.5])["median_all"] is None  # the median is infinite
+    assert common.spread([0.7, None, None])["median_all"] is None
+    assert common.spread([0.3, 0.9, 0.5])["median_all"] == pytest.approx(0.5)
+
+
 def test_paired_statistics_t_and_sign_test():
     out = common.paired_differences({0: 0.9, 1: 0.8, 2: 1.3}, {0: 1.0, 1: 1.0, 2: 1.0})
     assert out["differences"] == pytest.approx([-0.1, -0.2, 0.3])
