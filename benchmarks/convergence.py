@@ -26,7 +26,6 @@ and .png, and prints the tables.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -199,43 +198,11 @@ def build_engine(regime: Regime, n_layer: int, seed: Optional[int], ptr: Dict):
     return engine
 
 
-def stacked_name(name: str, shallow_depth: int) -> str:
-    """The shallow model's parameter a stacked-model parameter starts from: layer i <- layer i mod depth."""
-    return re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m[1]) % shallow_depth}.", name)
-
-
-def grow_by_stacking(engine, regime: Regime, shallow_depth: int):
-    """Progressive stacking: the full-depth model with layer i = shallow layer i mod depth, the Adam moments and
-    step counters copied along (each shallow layer's moments are its own, so no scaling), the LR schedule kept."""
-    from ds_pseudo_real import ds_state
-
-    old = engine.engine
-    weights, moments = ds_state.gather_full_state(old, with_moments=True)
-    counters = ds_state.step_counters(old)
-    scheduler = old.lr_scheduler.state_dict()
-    lrs = [g["lr"] for g in old.optimizer.param_groups]
-    steps = {k: getattr(old, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
-    old.destroy()
-    ptr = {"enabled": False, "layers": "layers"}
-    deep = build_engine(regime, regime.n_layer, None, ptr)
-    ds = deep.engine
-    module = ds.module
-    import torch
-
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            param.copy_(weights[stacked_name(name, shallow_depth)])
-    for key, value in steps.items():
-        setattr(ds, key, value)
-    ds.lr_scheduler.load_state_dict(scheduler)
-    for group in ds.optimizer.param_groups:
-        group["lr"] = lrs[0]
-    ds_state.seed_optimizer_state(ds, counters)
-    for name, param in module.named_parameters():
-        source = stacked_name(name, shallow_depth)
-        if source in moments:
-            ds_state.set_full_moments(ds, param, moments[source])
-    return deep
+def stacking_ptr(arm: "Arm", switch: int) -> Dict:
+    """Progressive stacking through the plugin: the first ``stack_depth`` layers until the switch, then grown to
+    full depth with layer i starting from layer i mod depth (moments copied along, the LR schedule kept)."""
+    return {"layers": "layers", "schedule": [{"depth": arm.stack_depth}, {"at_step": switch}],
+            "optimizer_state": arm.optimizer_state}
 
 
 def evaluate(engine, corpus, regime: Regime) -> float:
@@ -300,7 +267,7 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
 
     switch = switch_step(regime, arm)
     if arm.kind == "stacking":
-        engine = build_engine(regime, arm.stack_depth, seed, {"enabled": False, "layers": "layers"})
+        engine = build_engine(regime, regime.n_layer, seed, stacking_ptr(arm, switch))
         first_phase = f"shallow{arm.stack_depth}"
     else:
         ptr = {"enabled": arm.kind == "pseudo_to_real", "layers": "layers", "groups": arm.groups,
@@ -335,20 +302,14 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
             current = offload_counters(engine)[0] is optimizer
             record_offload_step(offload, phase, plan, optimizer.moved_bytes + fetched - moved_before,
                                 optimizer.held_bytes() if current else None)
-        extra = 0.0
-        if arm.kind == "stacking" and step + 1 == switch:
-            engine = grow_by_stacking(engine, regime, arm.stack_depth)
-            extra = time.perf_counter() - end
-            transition = {"step": switch, "seconds": extra, "parameters_before": params[phase],
-                          "parameters_after": unique_numel(engine.module)}
-        elif engine.last_transition is not None and transition is None:
+        if engine.last_transition is not None and transition is None:
             t = engine.last_transition
             transition = {k: t[k] for k in ("step", "seconds", "parameters_before", "parameters_after", "optimizer_state",
                                             "moments_carried")}
         phases.append(phase)
         compute_s.append(middle - start)
         optimizer_s.append(end - middle)
-        step_s.append(end - start + extra)
+        step_s.append(end - start)
         train_loss.append(float(loss.detach()))
         if transition is not None and phase != "real":
             phase = "real"

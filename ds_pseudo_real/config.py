@@ -84,9 +84,11 @@ class SwitchTrigger(SectionModel):
 
 class ScheduleStage(SectionModel):
     """One stage of a progressive schedule: ``groups`` parameter sets (omitted on the last stage: every layer its
-    own, the real model), entered when its trigger fires (none on the first stage)."""
+    own, the real model), entered when its trigger fires (none on the first stage). The first stage may instead
+    give ``depth``: a shallow model of its first ``depth`` layers, grown to all of them by stacking copies of it."""
 
     groups: Optional[int] = Field(None, ge=1)
+    depth: Optional[int] = Field(None, ge=1)
     at_step: Optional[int] = Field(None, ge=1)
     at_tokens: Optional[int] = Field(None, ge=1)
     on_plateau: Optional[PlateauTrigger] = None
@@ -119,10 +121,16 @@ class PseudoToRealConfig(SectionModel):
         if len(self.schedule) < 2:
             raise ValueError("schedule: give at least two stages, the first without a trigger")
         first = self.schedule[0]
-        if first.groups is None or first.trigger() is not None:
-            raise ValueError("schedule[0]: the first stage gives 'groups' and no trigger (it is where training starts)")
+        if (first.groups is None) == (first.depth is None) or first.trigger() is not None:
+            raise ValueError("schedule[0]: the first stage gives 'groups' (or 'depth' for a shallow model grown by "
+                             "stacking) and no trigger: it is where training starts")
+        if first.depth is not None and (len(self.schedule) != 2 or self.schedule[1].groups is not None):
+            raise ValueError("schedule: a shallow first stage ('depth') grows into the real model: give one more "
+                             "stage, with its trigger and without 'groups'")
         steps = []
         for index, stage in enumerate(self.schedule[1:], 1):
+            if stage.depth is not None:
+                raise ValueError(f"schedule[{index}].depth: only the first stage may be shallow")
             trigger = [k for k in ("at_step", "at_tokens", "on_plateau") if getattr(stage, k) is not None]
             if len(trigger) != 1:
                 raise ValueError(f"schedule[{index}]: give exactly one of at_step, at_tokens, on_plateau; got "
@@ -137,9 +145,24 @@ class PseudoToRealConfig(SectionModel):
                                  f"{before}")
         return self
 
+    def stages(self, num_layers: int) -> List[Tuple[int, int]]:
+        """(layers, parameter groups) of every stage, the last one the real model's (``num_layers`` twice)."""
+        groups = self.stage_groups(num_layers)
+        depth = self.schedule[0].depth if self.schedule is not None else None
+        if depth is None:
+            return [(num_layers, g) for g in groups]
+        if depth >= num_layers or num_layers % depth:
+            raise ConfigError(f"pseudo_to_real.schedule[0].depth: got {depth}; a shallow model grows by stacking "
+                              f"copies of itself, so it must divide the number of layers ({num_layers}) and be "
+                              f"smaller: accepted values "
+                              f"{[d for d in range(1, num_layers) if num_layers % d == 0]}")
+        return [(depth, depth), (num_layers, num_layers)]
+
     def stage_groups(self, num_layers: int) -> List[int]:
         """The group count of every stage, the last one ``num_layers`` (the real model); checks that each divides
         the layer count and is a multiple of the one before."""
+        if self.schedule is not None and self.schedule[0].depth is not None:
+            return [self.schedule[0].depth, num_layers]
         if self.schedule is None:
             stages = [self.groups, num_layers]
             names = ["pseudo_to_real.groups"]

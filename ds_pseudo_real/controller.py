@@ -35,11 +35,11 @@ from .config import (
 from .sharing import (
     apply_sharing,
     delink_layers,
-    expand_state_dict,
     get_layer_list,
     group_leader,
     layer_index_of,
     parameter_like,
+    truncate_layers,
 )
 from .transition import StageTransitionCallback, member_moments, rewarmup_factor
 
@@ -196,21 +196,24 @@ class PseudoToRealController:
         self.layer_path = ptr_config.layers
         self.num_layers = len(get_layer_list(model, self.layer_path))
         # fails early, naming the key, if a stage's groups does not divide L or does not split the stage before
-        self.stage_groups = ptr_config.stage_groups(self.num_layers) if ptr_config.enabled else [self.num_layers]
-        self.groups = self.stage_groups[0]
+        self.stages = ptr_config.stages(self.num_layers) if ptr_config.enabled else [(self.num_layers,) * 2]
+        self.stage_groups = [groups for _, groups in self.stages]
+        self.depth, self.groups = self.stages[0]
         if SECTION not in ds_config:
             log_rank0(f"no '{SECTION}' section in the config: Pseudo-to-Real is off, the real model trains from step 0")
         elif not ptr_config.enabled:
             log_rank0(f"{SECTION}.enabled is false: Pseudo-to-Real is off, the real model trains from step 0")
-        if ptr_config.enabled:
+        if ptr_config.enabled and self.depth == self.num_layers:
             apply_sharing(model, self.layer_path, self.groups)
         self._skeleton = meta_skeleton(model)
+        if self.depth < self.num_layers:  # a shallow start: the first layers only
+            truncate_layers(model, self.layer_path, self.depth)
         self.state = TrainingState(stage=PSEUDO if ptr_config.enabled else REAL, groups=self.groups)
         self.control = TrainingControl()
         builtin = [StageTransitionCallback(ptr_config.triggers())] if ptr_config.enabled else []
         self.callbacks = CallbackList(builtin + list(callbacks))
-        plateau = ptr_config.switch.on_plateau
-        self._track_train_loss = ptr_config.enabled and plateau is not None and plateau.metric == PlateauMetric.TRAINING.value
+        self._track_train_loss = ptr_config.enabled and any(
+            t.on_plateau is not None and t.on_plateau.metric == PlateauMetric.TRAINING.value for t in ptr_config.triggers())
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
         self._lr_factor = 1.0
@@ -315,7 +318,7 @@ class PseudoToRealController:
 
     def step(self, **kwargs):
         boundary = self.engine.is_gradient_accumulation_boundary()
-        if self.state.stage == REAL and self.state.switch_step is not None:
+        if self.state.switch_step is not None:  # the re-warmup follows every transition
             self._lr_factor = rewarmup_factor(self.engine.global_steps - self.state.switch_step, self.config.rewarmup_steps)
         result = self.engine.step(**kwargs)
         self._lr_factor = 1.0
@@ -343,37 +346,50 @@ class PseudoToRealController:
             self.delink()
 
     # ---- the delink ----------------------------------------------------------------------------------------
-    def _leader_name(self, name: str, groups: int) -> Tuple[str, int]:
-        """The parameter of the model with ``groups`` parameter sets that ``name`` (a parameter of a model with
-        more sets) starts from, and how many of the new sets split each old one (1 outside the layer list)."""
+    def _source_name(self, name: str, depth: int, groups: int) -> Tuple[str, int]:
+        """The parameter of the model of ``depth`` layers in ``groups`` parameter sets that ``name`` (a parameter of
+        the next stage's model) starts from, and how many of the new sets split each old one: a group's first layer
+        when the sets split (their number), the same layer of the stacked copy when a shallow model grows (1)."""
         index = layer_index_of(name, self.layer_path)
         if index is None:
             return name, 1
-        leader = group_leader(index, self.num_layers, groups)
+        if index >= depth or depth < self.depth:  # growing (self is the grown model already when moments move)
+            source, members = index % depth, 1
+        else:
+            source, members = group_leader(index, depth, groups), self.groups // groups
         prefix = f"{self.layer_path}.{index}."
         position = name.index(prefix)
-        return name[:position] + f"{self.layer_path}.{leader}." + name[position + len(prefix):], self.groups // groups
+        return name[:position] + f"{self.layer_path}.{source}." + name[position + len(prefix):], members
 
-    def _build_engine(self, groups: int, weights: Optional[Dict[str, torch.Tensor]]) -> None:
-        """The model with ``groups`` parameter sets (``num_layers``: the real model) from the skeleton, with
-        ``weights`` (every layer's names) or uninitialized storage, and its engine."""
+    def _build_engine(self, depth: int, groups: int, weights: Optional[Dict[str, torch.Tensor]]) -> None:
+        """The model of ``depth`` layers in ``groups`` parameter sets (``num_layers`` twice: the real model) from the
+        skeleton, with ``weights`` (every layer's names) or uninitialized storage, and its engine."""
         skeleton = copy_with_parameters(self._skeleton, lambda p: parameter_like(p, torch.empty_like(p)))
         delink_layers(skeleton, self.layer_path)
-        if groups < self.num_layers:
+        if depth < self.num_layers:
+            truncate_layers(skeleton, self.layer_path, depth)
+        if groups < depth:
             apply_sharing(skeleton, self.layer_path, groups)
         model = materialize(skeleton, weights)
-        self.groups = self.state.groups = groups
-        self.state.stage = REAL if groups == self.num_layers else PSEUDO
+        self.depth, self.groups = depth, groups
+        self.state.groups = groups
+        self.state.stage = REAL if (depth, groups) == (self.num_layers, self.num_layers) else PSEUDO
         self.engine, self.optimizer, _, self.lr_scheduler = self._initialize(model)
 
     def _build_real_engine(self, real_weights: Optional[Dict[str, torch.Tensor]]) -> None:
-        self._build_engine(self.num_layers, real_weights)
+        self._build_engine(self.num_layers, self.num_layers, real_weights)
+
+    @property
+    def next_stage(self) -> Optional[Tuple[int, int]]:
+        """(layers, parameter groups) of the stage the next transition goes to (None in the last stage)."""
+        index = self.state.transitions_done + 1
+        return self.stages[index] if index < len(self.stages) and self.state.stage == PSEUDO else None
 
     @property
     def next_groups(self) -> Optional[int]:
         """The group count the next transition goes to (None in the last stage)."""
-        index = self.state.transitions_done + 1
-        return self.stage_groups[index] if index < len(self.stage_groups) and self.state.stage == PSEUDO else None
+        stage = self.next_stage
+        return None if stage is None else stage[1]
 
     @property
     def next_trigger(self):
@@ -397,8 +413,7 @@ class PseudoToRealController:
         """Turn the pseudo engine into the next stage's, in process: the real one, or with a progressive schedule
         the model with the next stage's groups (every group split into equal runs of consecutive layers, each run
         starting from the group's values); returns (and logs) what was done."""
-        new_groups = self.next_groups
-        if new_groups is None:
+        if self.next_stage is None:
             raise RuntimeError(f"delink() called in the {self.state.stage} stage, with no stage after it")
         start = time.perf_counter()
         old = self.engine
@@ -413,8 +428,11 @@ class PseudoToRealController:
         steps = {k: getattr(old, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
         del old
         self._release_engine()
-        old_groups = self.groups
-        self._build_engine(new_groups, expand_state_dict(weights, self.layer_path, self.num_layers, old_groups))
+        (old_depth, old_groups), (new_depth, new_groups) = (self.depth, self.groups), self.next_stage
+        every_layer = [name for name, _ in self._skeleton.named_parameters(remove_duplicate=False)]
+        self._build_engine(new_depth, new_groups, {  # views: materialize copies them into place
+            name: weights[self._source_name(name, old_depth, old_groups)[0]] for name in every_layer
+            if layer_index_of(name, self.layer_path) is None or layer_index_of(name, self.layer_path) < new_depth})
         del weights
         self.state.transitions_done += 1
         engine = self.engine
@@ -428,7 +446,7 @@ class PseudoToRealController:
             ds_state.seed_optimizer_state(engine, counters)
             starts: Dict[str, Dict[str, torch.Tensor]] = {}  # one per shared parameter: set_full_moments copies
             for name, param in engine.module.named_parameters():
-                source, members = self._leader_name(name, old_groups)
+                source, members = self._source_name(name, old_depth, old_groups)
                 if source in moments:  # the pseudo moments go as soon as their starting values exist
                     starts[source] = member_moments(policy, moments.pop(source), members)
                 if source in starts:
@@ -440,6 +458,8 @@ class PseudoToRealController:
             "seconds": round(time.perf_counter() - start, 3),
             "groups_before": old_groups,
             "groups_after": new_groups,
+            "layers_before": old_depth,
+            "layers_after": new_depth,
             "parameters_before": pseudo_numel,
             "parameters_after": parameter_numel(engine.module),
             "optimizer_state": policy,
@@ -463,6 +483,8 @@ class PseudoToRealController:
             f" -> {report['parameters_after']:,}; optimizer state '{report['optimizer_state']}'"
             f" ({report['moments_carried']} tensors carried); LR re-warmup {report['rewarmup_steps']} steps; "
             f"parameter groups {report['groups_before']} -> {report['groups_after']}"
+            + (f", layers {report['layers_before']} -> {report['layers_after']} (stacked)"
+               if report["layers_before"] != report["layers_after"] else "")
         )
         rank = dist.get_rank() if dist.is_initialized() else 0
         for when in ("before", "after"):
@@ -485,6 +507,7 @@ class PseudoToRealController:
             "layers": self.layer_path,
             "num_layers": self.num_layers,
             "groups": self.groups,
+            "depth": self.depth,
             "zero_stage": self.engine.zero_optimization_stage(),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         }
@@ -579,10 +602,10 @@ class PseudoToRealController:
         self._check_compatible(load_dir, tag, side)
         if side["kind"] == "converted":
             return self._load_converted(load_dir, tag, side)
-        groups = self.num_layers if side["stage"] == REAL else side["groups"]
-        if groups != self.groups:  # a later stage's checkpoint: that stage's model first
+        stage = (self.num_layers,) * 2 if side["stage"] == REAL else (side.get("depth", self.num_layers), side["groups"])
+        if stage != (self.depth, self.groups):  # a later stage's checkpoint: that stage's model first
             self._release_engine()
-            self._build_engine(groups, None)
+            self._build_engine(*stage, None)
         try:
             path, client = self.engine.load_checkpoint(load_dir, tag, **kwargs)
         except Exception as error:
@@ -614,8 +637,9 @@ class PseudoToRealController:
             )
         if side["kind"] == "converted":
             return
-        if side["stage"] == PSEUDO and side["groups"] not in self.stage_groups:
-            raise ConfigError(f"{where} has {side['groups']} parameter groups; this run's stages have "
+        saved = (side.get("depth", self.num_layers), side["groups"])
+        if side["stage"] == PSEUDO and saved not in self.stages:
+            raise ConfigError(f"{where} has {saved[1]} parameter groups of {saved[0]} layers; this run's stages have "
                               f"{self.stage_groups[:-1] if self.stage_groups[-1] == self.num_layers else self.stage_groups}"
                               f" (pseudo_to_real.groups or schedule)")
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -636,7 +660,7 @@ class PseudoToRealController:
         self.state = TrainingState.from_dict(plugin["state"])
         self.state.groups = self.groups  # checkpoints before progressive schedules do not record it
         if self.state.stage == REAL and self.config.enabled:
-            self.state.transitions_done = len(self.stage_groups) - 1
+            self.state.transitions_done = len(self.stages) - 1
         self.callbacks.load_state_dict(plugin["callbacks"])
 
     def _load_converted(self, load_dir: str, tag: str, side: Dict[str, Any]) -> Tuple[str, Dict]:

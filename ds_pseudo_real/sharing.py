@@ -109,6 +109,14 @@ def delink_layers(model: nn.Module, path: str) -> nn.Module:
     return model
 
 
+def truncate_layers(model: nn.Module, path: str, depth: int) -> nn.Module:
+    """Keep the first ``depth`` layers of ``model.<path>`` (a shallow model; the layer objects are kept)."""
+    layers = get_layer_list(model, path)
+    owner, leaf = _owning_module(model, path)
+    setattr(owner, leaf, type(layers)(list(layers)[:depth]))
+    return model
+
+
 def count_shared_groups(model: nn.Module, path: str) -> int:
     """How many distinct parameter sets the layer list holds (1 = fully shared, L = real)."""
     layers = get_layer_list(model, path)

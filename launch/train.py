@@ -186,7 +186,7 @@ def train(argv: Optional[List[str]] = None) -> int:
     flags = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "seq_len": args.seq_len}
     spec = model_spec(ds_config, flags, vocab_size=vocab, world_size=world, groups=ptr.groups if ptr.enabled else 1)
     if ptr.enabled:
-        ptr.stage_groups(spec.num_layers)  # a progressive schedule's groups, checked before the model is built
+        ptr.stages(spec.num_layers)  # a progressive schedule's stages, checked before the model is built
     micro, gas = batch_shape(ds_config)
     if rank == 0:
         print(f"data: {data.describe()}", flush=True)

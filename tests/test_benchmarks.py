@@ -120,12 +120,6 @@ def test_phase_medians_skip_first_and_switch_steps():
     assert convergence.phase_medians([run], "step_s") == {"pseudo_g1": 1.0, "real": 2.0}
 
 
-def test_stacked_name_maps_layers_modulo_the_shallow_depth():
-    assert convergence.stacked_name("layers.5.attn.qkv.weight", 2) == "layers.1.attn.qkv.weight"
-    assert convergence.stacked_name("layers.12.moe.w1", 4) == "layers.0.moe.w1"
-    assert convergence.stacked_name("tok_emb.weight", 2) == "tok_emb.weight"
-
-
 def test_m6_moe_layer_equals_direct_per_token_computation():
     """With capacity for every token, each token's output is the sum over prototypes of its chosen expert's
     gated output (gate = its softmax score within the prototype)."""
@@ -164,37 +158,48 @@ def test_m6_moe_layer_drops_tokens_over_capacity():
     assert int((out.abs().sum(-1) > 0).sum()) == 2
 
 
-def test_progressive_stacking_on_a_deepspeed_engine():
-    """Grow a 1-layer engine after 2 steps into a 2-layer one: layer 1 = layer 0, Adam moments and step count
-    carried, LR schedule position kept, and training goes on."""
+def test_the_stacking_arm_grows_through_the_plugins_schedule():
+    """The stacking arm is a config choice: a 1-layer start grown after 2 steps into 2 layers by the plugin (layer 1
+    = layer 0, Adam moments and step count carried, LR schedule position kept), and training goes on."""
     common.init_single_process()
     from ds_pseudo_real import ds_state
+    from ds_pseudo_real.callbacks import TrainingCallback
     from ds_pseudo_real.data import ByteCorpus
 
+    class BeforeGrowth(TrainingCallback):
+        seen = {}
+
+        def on_step_end(self, state, control):
+            if control.should_delink:
+                named = dict(engine.module.named_parameters())
+                self.seen.update(weights={n: p.detach().clone() for n, p in named.items()},
+                                 moments=ds_state.full_moments(engine.engine, named["layers.0.fc.weight"]),
+                                 lr=engine.optimizer.param_groups[0]["lr"])
+
     regime = convergence.Regime("t", 2, 16, 2, 8, 2, 6, 1e-2, 2, 3, 1, [])
-    engine = convergence.build_engine(regime, 1, 0, {"enabled": False, "layers": "layers"})
+    arm = convergence.Arm("stack 1->2", "stacking", 0.34, stack_depth=1)
+    engine = convergence.build_engine(regime, 2, 0, convergence.stacking_ptr(arm, 2))
+    engine.callbacks.callbacks.append(BeforeGrowth())
+    assert len(engine.module.layers) == 1
     corpus = ByteCorpus(max_bytes=1 << 18)
     for step in range(2):
         x, y = corpus.batch("train", 2, 8, seed=0, step=step)
         engine.backward(engine(x, y))
         engine.step()
-    lr = engine.optimizer.param_groups[0]["lr"]
-    shallow = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    moments = ds_state.full_moments(engine.engine, dict(engine.module.named_parameters())["layers.0.fc.weight"])
-    deep = convergence.grow_by_stacking(engine, regime, 1)
-    params = dict(deep.module.named_parameters())
-    assert len(deep.module.layers) == 2 and deep.global_steps == 2
-    torch.testing.assert_close(params["layers.1.fc.weight"], shallow["layers.0.fc.weight"], rtol=0, atol=0)
-    torch.testing.assert_close(params["tok_emb.weight"], shallow["tok_emb.weight"], rtol=0, atol=0)
-    carried = ds_state.full_moments(deep.engine, params["layers.1.fc.weight"])
-    torch.testing.assert_close(carried["exp_avg_sq"], moments["exp_avg_sq"], rtol=0, atol=0)
-    assert deep.optimizer.param_groups[0]["lr"] == pytest.approx(lr)
+    seen = BeforeGrowth.seen
+    params = dict(engine.module.named_parameters())
+    assert len(engine.module.layers) == 2 and engine.global_steps == 2 and engine.last_transition["layers_after"] == 2
+    torch.testing.assert_close(params["layers.1.fc.weight"], seen["weights"]["layers.0.fc.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(params["tok_emb.weight"], seen["weights"]["tok_emb.weight"], rtol=0, atol=0)
+    carried = ds_state.full_moments(engine.engine, params["layers.1.fc.weight"])
+    torch.testing.assert_close(carried["exp_avg_sq"], seen["moments"]["exp_avg_sq"], rtol=0, atol=0)
+    assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(seen["lr"])
     x, y = corpus.batch("train", 2, 8, seed=0, step=2)
-    deep.backward(deep(x, y))
-    deep.step()
-    assert deep.global_steps == 3
+    engine.backward(engine(x, y))
+    engine.step()
+    assert engine.global_steps == 3
     assert not torch.equal(params["layers.1.fc.weight"], params["layers.0.fc.weight"])
-    deep.engine.destroy()
+    engine.engine.destroy()
 
 
 def test_memory_bound_smoke_trains_through_granular_offload_as_planned():

@@ -157,7 +157,7 @@ def test_a_checkpoint_of_a_stage_the_schedule_lacks_is_refused(tmp_path):
     first.engine.destroy()
     other, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(
         1, schedule=[{"groups": 1}, {"at_step": 3}]))
-    with pytest.raises(ConfigError, match=r"has 2 parameter groups; this run's stages have \[1\]"):
+    with pytest.raises(ConfigError, match=r"has 2 parameter groups of 4 layers; this run's stages have \[1\]"):
         other.load_checkpoint(str(tmp_path))
     other.engine.destroy()
 
@@ -210,3 +210,84 @@ def test_a_middle_stage_checkpoint_converts_to_the_real_model(tmp_path):
     assert real.stage == "real" and real.groups == 4 and real.global_steps == 4 and real.next_trigger is None
     assert eval_loss(real, probe) == expected
     real.engine.destroy()
+
+
+GROW = [{"depth": 2}, {"at_step": 3}]
+
+
+class Snapshot(BeforeDelink):
+    """Before the growth: every parameter's fp32 value and the moments of layer 0's fc weight."""
+
+    def on_step_end(self, state, control):
+        if control.should_delink:
+            engine = self.engine_ref[0]
+            named = dict(engine.module.named_parameters())
+            self.seen["weights"] = {n: ds_state.full_fp32_param(engine.engine, p) for n, p in named.items()}
+            self.seen["moments"] = ds_state.full_moments(engine.engine, named["layers.0.fc.weight"])
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_shallow_model_grows_by_stacking_copies_of_itself(stage):
+    ref = [None]
+    snap = Snapshot(ref, fixed_batch(99))
+    engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(stage, "copy", GROW), callbacks=[snap])
+    ref[0] = engine
+    layer = sum(p.numel() for p in tiny_gpt().layers[0].parameters())
+    rest = sum(p.numel() for p in tiny_gpt().parameters()) - 4 * layer
+    assert len(engine.module.layers) == 2 and ds_pseudo_real.controller.parameter_numel(engine.module) == rest + 2 * layer
+    shallow = train(engine, 3)
+    report = engine.last_transition
+    assert (report["step"], report["layers_before"], report["layers_after"]) == (3, 2, 4)
+    assert engine.stage == "real" and len(engine.module.layers) == 4 and count_shared_groups(engine.module, "layers") == 4
+    assert ds_pseudo_real.controller.parameter_numel(engine.module) == rest + 4 * layer
+    before = snap.seen["weights"]
+    named = dict(engine.module.named_parameters())
+    for name, param in named.items():  # G_stack's operator: layer i starts from layer i mod 2
+        index = int(name.split(".")[1]) % 2 if name.startswith("layers.") else None
+        source = name if index is None else "layers.{}.{}".format(index, name.split(".", 2)[2])
+        assert torch.equal(ds_state.full_fp32_param(engine.engine, param), before[source]), name
+    moments = ds_state.full_moments(engine.engine, named["layers.2.fc.weight"])
+    assert all(torch.equal(moments[k], snap.seen["moments"][k]) for k in ("exp_avg", "exp_avg_sq"))
+    # The grown model computes what a 4-layer GPT holding the stacked weights computes.
+    stacked = tiny_gpt(seed=7)
+    stacked.load_state_dict({n: before[n if not n.startswith("layers.") else "layers.{}.{}".format(
+        int(n.split(".")[1]) % 2, n.split(".", 2)[2])] for n, _ in stacked.named_parameters()}, strict=False)
+    stacked.eval()
+    with torch.no_grad():
+        expected = stacked(*fixed_batch(99)).item()
+    assert eval_loss(engine, fixed_batch(99)) == expected
+    assert len(shallow) == 3 and all(loss == loss for loss in train(engine, 5))
+    engine.engine.destroy()
+
+
+def test_resume_in_the_shallow_stage_is_exact(tmp_path):
+    whole, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(1, "copy", GROW))
+    expected = train(whole, 5)
+    whole.engine.destroy()
+    first, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(1, "copy", GROW))
+    head = train(first, 2)
+    first.save_checkpoint(str(tmp_path))
+    first.engine.destroy()
+    resumed, *_ = ds_pseudo_real.initialize(model=tiny_gpt(seed=5), config=config(1, "copy", GROW))
+    resumed.load_checkpoint(str(tmp_path))
+    assert len(resumed.module.layers) == 2 and resumed.global_steps == 2
+    assert head + train(resumed, 5) == expected and len(resumed.module.layers) == 4
+    resumed.engine.destroy()
+
+
+@pytest.mark.parametrize("schedule, message", [
+    ([{"depth": 2, "groups": 1}, {"at_step": 3}], "schedule[0]: the first stage gives 'groups' (or 'depth'"),
+    ([{"depth": 2}, {"groups": 2, "at_step": 3}, {"at_step": 5}], "a shallow first stage ('depth') grows into the real"),
+    ([{"groups": 1}, {"depth": 2, "at_step": 3}], "schedule[1].depth: only the first stage may be shallow"),
+])
+def test_shallow_schedule_errors(schedule, message):
+    with pytest.raises(ConfigError) as error:
+        parse_pseudo_to_real({"pseudo_to_real": {"schedule": schedule}})
+    assert message in str(error.value)
+
+
+def test_a_depth_that_does_not_stack_into_the_model_is_refused():
+    ptr = parse_pseudo_to_real({"pseudo_to_real": {"schedule": [{"depth": 3}, {"at_step": 3}]}})
+    with pytest.raises(ConfigError, match=r"schedule\[0\].depth: got 3; .*accepted values \[1, 2\]"):
+        ptr.stages(4)
+    assert ptr.stages(6) == [(3, 3), (6, 6)]
