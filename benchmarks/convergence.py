@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -48,7 +48,8 @@ JUMP_OFFSETS = (1, 2, 5, 10, 20)  # evaluations right after the switch, to see t
 class Arm:
     """One variant. ``kind``: ``scratch`` (the real model throughout), ``pseudo_to_real`` (shared layers until
     ``switch`` x steps, then delinked by the plugin), ``stacking`` (a ``stack_depth``-layer model until the switch,
-    then its layers stacked to full depth, Gong et al. 2019 progressive stacking)."""
+    then its layers stacked to full depth, Gong et al. 2019 progressive stacking), ``progressive`` (``groups`` sets,
+    then the ``stages``' group counts at their fractions of the run, the last one the real model)."""
 
     name: str
     kind: str = "scratch"
@@ -56,6 +57,7 @@ class Arm:
     groups: int = 1
     optimizer_state: str = "scale"
     stack_depth: int = 0
+    stages: Tuple[Tuple[int, float], ...] = ()  # progressive: (groups, at fraction of the steps) after the first
 
 
 @dataclass
@@ -91,6 +93,9 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
         Arm("p2r@25% G=2", "pseudo_to_real", 0.25, groups=2),
         Arm("p2r@25% G=4", "pseudo_to_real", 0.25, groups=4),
         Arm(f"stack {n_layer // 4}->{n_layer} @25%", "stacking", 0.25, stack_depth=n_layer // 4),
+        Arm(f"p2r 1->2@10%->{n_layer}@25%", "progressive", 0.10, stages=((2, 0.10), (n_layer, 0.25))),
+        Arm(f"p2r 1->2->4->{n_layer} @10/20/30%", "progressive", 0.10,
+            stages=((2, 0.10), (4, 0.20), (n_layer, 0.30))),
     ]
 
 
@@ -182,7 +187,19 @@ def ds_config(regime: Regime, pseudo_to_real: Dict) -> Dict:
 
 
 def switch_step(regime: Regime, arm: Arm) -> Optional[int]:
-    return None if arm.kind == "scratch" else max(1, round(arm.switch * regime.steps))
+    return None if arm.kind == "scratch" else stage_step(regime, arm.switch)
+
+
+def stage_step(regime: Regime, fraction: float) -> int:
+    return max(1, round(fraction * regime.steps))
+
+
+def progressive_ptr(regime: Regime, arm: "Arm") -> Dict:
+    """The plugin's schedule for a progressive arm: ``groups`` sets, then each stage's at its fraction of the run."""
+    schedule = [{"groups": arm.groups}] + [
+        {"at_step": stage_step(regime, fraction), **({} if groups == regime.n_layer else {"groups": groups})}
+        for groups, fraction in arm.stages]
+    return {"layers": "layers", "schedule": schedule, "optimizer_state": arm.optimizer_state}
 
 
 def build_engine(regime: Regime, n_layer: int, seed: Optional[int], ptr: Dict):
@@ -269,6 +286,9 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
     if arm.kind == "stacking":
         engine = build_engine(regime, regime.n_layer, seed, stacking_ptr(arm, switch))
         first_phase = f"shallow{arm.stack_depth}"
+    elif arm.kind == "progressive":
+        engine = build_engine(regime, regime.n_layer, seed, progressive_ptr(regime, arm))
+        first_phase = f"pseudo_g{arm.groups}"
     else:
         ptr = {"enabled": arm.kind == "pseudo_to_real", "layers": "layers", "groups": arm.groups,
                "switch": {"at_step": switch or regime.steps + 1}, "optimizer_state": arm.optimizer_state}
@@ -276,8 +296,8 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
         first_phase = f"pseudo_g{arm.groups}" if arm.kind == "pseudo_to_real" else "real"
     params = {first_phase: unique_numel(engine.module)}
     eval_steps = set(range(regime.eval_interval, regime.steps + 1, regime.eval_interval)) | {regime.steps}
-    if switch:
-        eval_steps |= {switch} | {switch + d for d in JUMP_OFFSETS if switch + d <= regime.steps}
+    for at in ([switch] if switch else []) + [stage_step(regime, f) for _, f in arm.stages]:
+        eval_steps |= {at} | {at + d for d in JUMP_OFFSETS if at + d <= regime.steps}
     phases, compute_s, optimizer_s, step_s, train_loss = [], [], [], [], []
     evals = [(0, evaluate(engine, corpus, regime))]
     transition = None
@@ -311,8 +331,9 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
         optimizer_s.append(end - middle)
         step_s.append(end - start)
         train_loss.append(float(loss.detach()))
-        if transition is not None and phase != "real":
-            phase = "real"
+        now = "real" if engine.stage == "real" else phase if arm.kind == "stacking" else f"pseudo_g{engine.groups}"
+        if now != phase:  # after a transition: the next steps cost what the new model's do
+            phase = now
             params[phase] = unique_numel(engine.module)
         if step + 1 in eval_steps:
             evals.append((step + 1, evaluate(engine, corpus, regime)))
