@@ -58,6 +58,7 @@ class Arm:
     optimizer_state: str = "scale"
     stack_depth: int = 0
     stages: Tuple[Tuple[int, float], ...] = ()  # progressive: (groups, at fraction of the steps) after the first
+    delink_noise: float = 0.0  # pseudo_to_real.delink_noise
 
 
 @dataclass
@@ -96,6 +97,7 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
         Arm(f"p2r 1->2@10%->{n_layer}@25%", "progressive", 0.10, stages=((2, 0.10), (n_layer, 0.25))),
         Arm(f"p2r 1->2->4->{n_layer} @10/20/30%", "progressive", 0.10,
             stages=((2, 0.10), (4, 0.20), (n_layer, 0.30))),
+        Arm("p2r@10% scale noise 0.01", "pseudo_to_real", 0.10, delink_noise=0.01),
     ]
 
 
@@ -291,7 +293,8 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
         first_phase = f"pseudo_g{arm.groups}"
     else:
         ptr = {"enabled": arm.kind == "pseudo_to_real", "layers": "layers", "groups": arm.groups,
-               "switch": {"at_step": switch or regime.steps + 1}, "optimizer_state": arm.optimizer_state}
+               "switch": {"at_step": switch or regime.steps + 1}, "optimizer_state": arm.optimizer_state,
+               "delink_noise": arm.delink_noise}
         engine = build_engine(regime, regime.n_layer, seed, ptr)
         first_phase = f"pseudo_g{arm.groups}" if arm.kind == "pseudo_to_real" else "real"
     params = {first_phase: unique_numel(engine.module)}

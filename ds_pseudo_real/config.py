@@ -109,6 +109,7 @@ class PseudoToRealConfig(SectionModel):
     schedule: Optional[List[ScheduleStage]] = None
     optimizer_state: OptimizerStatePolicy = OptimizerStatePolicy.COPY
     rewarmup_steps: int = Field(0, ge=0)
+    delink_noise: float = Field(0.0, ge=0.0)
 
     @model_validator(mode="after")
     def _schedule_shape(self) -> "PseudoToRealConfig":

@@ -12,6 +12,7 @@ import gc
 import os
 import shutil
 import time
+import zlib
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import deepspeed
@@ -361,6 +362,23 @@ class PseudoToRealController:
         position = name.index(prefix)
         return name[:position] + f"{self.layer_path}.{source}." + name[position + len(prefix):], members
 
+    def _break_symmetry(self, starts: Dict[str, torch.Tensor], scale: float) -> Dict[str, torch.Tensor]:
+        """``pseudo_to_real.delink_noise``: every copy but a group's first layer (which keeps the shared values)
+        gets Gaussian noise of ``scale`` x the shared tensor's standard deviation, from a generator keyed by the
+        parameter's name, so that every rank adds the same noise."""
+        seen: Dict[int, str] = {}
+        out = {}
+        for name, value in starts.items():
+            first = seen.setdefault(id(value), name)
+            if (first == name or layer_index_of(name, self.layer_path) is None or not value.is_floating_point()
+                    or value.numel() < 2):
+                out[name] = value
+                continue
+            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            noise = torch.randn(value.shape, generator=generator, dtype=torch.float32)
+            out[name] = (value.float() + scale * value.float().std() * noise).to(value.dtype)
+        return out
+
     def _build_engine(self, depth: int, groups: int, weights: Optional[Dict[str, torch.Tensor]]) -> None:
         """The model of ``depth`` layers in ``groups`` parameter sets (``num_layers`` twice: the real model) from the
         skeleton, with ``weights`` (every layer's names) or uninitialized storage, and its engine."""
@@ -430,10 +448,13 @@ class PseudoToRealController:
         self._release_engine()
         (old_depth, old_groups), (new_depth, new_groups) = (self.depth, self.groups), self.next_stage
         every_layer = [name for name, _ in self._skeleton.named_parameters(remove_duplicate=False)]
-        self._build_engine(new_depth, new_groups, {  # views: materialize copies them into place
+        starts = {  # views: materialize copies them into place
             name: weights[self._source_name(name, old_depth, old_groups)[0]] for name in every_layer
-            if layer_index_of(name, self.layer_path) is None or layer_index_of(name, self.layer_path) < new_depth})
-        del weights
+            if layer_index_of(name, self.layer_path) is None or layer_index_of(name, self.layer_path) < new_depth}
+        if self.config.delink_noise:
+            starts = self._break_symmetry(starts, self.config.delink_noise)
+        self._build_engine(new_depth, new_groups, starts)
+        del weights, starts
         self.state.transitions_done += 1
         engine = self.engine
         for key, value in steps.items():

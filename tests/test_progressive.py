@@ -291,3 +291,25 @@ def test_a_depth_that_does_not_stack_into_the_model_is_refused():
     with pytest.raises(ConfigError, match=r"schedule\[0\].depth: got 3; .*accepted values \[1, 2\]"):
         ptr.stages(4)
     assert ptr.stages(6) == [(3, 3), (6, 6)]
+
+
+def test_delink_noise_breaks_the_symmetry_of_the_copies_the_same_way_every_time():
+    cfg = config(1, "copy", [{"groups": 1}, {"at_step": 2}])
+    cfg["pseudo_to_real"]["delink_noise"] = 0.01
+    runs = []
+    for _ in range(2):
+        engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=cfg)
+        train(engine, 2)
+        named = dict(engine.module.named_parameters())
+        runs.append({n: ds_state.full_fp32_param(engine.engine, p) for n, p in named.items()})
+        engine.engine.destroy()
+    first, second = runs
+    assert all(torch.equal(first[n], second[n]) for n in first)  # the noise is keyed by name, not by chance
+    shared = first["layers.0.fc.weight"]
+    for layer in (1, 2, 3):
+        copy = first[f"layers.{layer}.fc.weight"]
+        relative = float((copy - shared).std() / shared.std())
+        assert 0.005 < relative < 0.02, (layer, relative)  # 0.01 x the shared tensor's spread
+    assert not torch.equal(first["layers.1.fc.weight"], first["layers.2.fc.weight"])
+    with pytest.raises(ConfigError, match="delink_noise"):
+        parse_pseudo_to_real({"pseudo_to_real": {"delink_noise": -1}})
