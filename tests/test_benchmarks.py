@@ -237,3 +237,15 @@ def test_memory_bound_smoke_trains_through_granular_offload_as_planned():
     assert costs["phases"]["real"]["step_s"] == pytest.approx(2.0 + real["plan"]["moved_bytes_per_step"] / 10e9)
     assert costs["phases"]["pseudo_g1"]["step_s"] == 1.0
     assert costs["phases"]["real"]["runs_matching_plan"] == 2
+
+
+def test_delink_benchmark_m6_10t_host_figure_from_the_parameter_counts():
+    from benchmarks import delink
+
+    plan = delink.m6_10t_plan_only()
+    # 48 layers x (14,684,160 dense + 10,240 / 512 experts x 20,447,232) + 22,161,408 embedding parameters
+    assert plan["layer_parameters_per_rank"] == 14_684_160 + 20 * 20_447_232 == 423_628_800
+    assert plan["rank_real_parameters"] == 22_161_408 + 48 * 423_628_800 == 20_356_343_808
+    assert plan["host_bytes_per_rank_today"] == 4 * 20_356_343_808 + 12 * (22_161_408 + 423_628_800)
+    assert plan["host_bytes_per_node_today"] == 8 * plan["host_bytes_per_rank_today"]
+    assert delink.rss_bytes() > 0 and delink.rss_bytes("VmHWM") >= delink.rss_bytes()
