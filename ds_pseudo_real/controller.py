@@ -237,7 +237,9 @@ class PseudoToRealController:
 
             self._refuse_model_parallelism()
             world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-            client, ds_config, plan = build_offload_optimizer(model, self.full_ds_config, self.layer_path, world)
+            data_parallel = getattr(self._mpu, "get_data_parallel_world_size", lambda: world)()  # ZeRO's ranks
+            client, ds_config, plan = build_offload_optimizer(model, self.full_ds_config, self.layer_path,
+                                                              data_parallel)
             if client is not None:
                 optimizer, params = client, None
                 self.offload_plan = plan

@@ -171,12 +171,13 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
 
 def attach_to_engine(engine) -> None:
     """After ``deepspeed.initialize`` with a :class:`GranularOffloadOptimizer`: take back into the host store the
-    host_params the engine replaced outside ``Module._apply`` (its bf16 cast). For its own groups (host_params outside DeepSpeed's
-    optimizer): give them the zero-gradient step DeepSpeed's stage-0 unfused optimizer gave the other groups,
-    fold their gradients into DeepSpeed's global gradient norm (so that clipping and the reported norm cover the
+    host_params the engine replaced outside ``Module._apply`` (its bf16 cast). For its own groups (host_params outside
+    DeepSpeed's optimizer): give them the zero-gradient step DeepSpeed's stage-0 unfused optimizer gave the other
+    groups, fold their gradients into DeepSpeed's global gradient norm (so that clipping and the reported norm cover the
     whole model; an inf or NaN there makes DeepSpeed skip the step), drop them whenever DeepSpeed zeroes its gradients
-    (after every step, a skipped one included) and reduce them in the engine's communication dtype. Nothing to do
-    for other optimizers."""
+    (after every step, a skipped one included) and reduce them in the engine's communication dtype over its
+    data-parallel group (experts: their expert-data-parallel group, divided by the data-parallel size, as DeepSpeed
+    does). Nothing to do for other optimizers."""
     optimizer = ds_state.basic_optimizer(engine)
     if not isinstance(optimizer, GranularOffloadOptimizer):
         return
@@ -188,6 +189,7 @@ def attach_to_engine(engine) -> None:
         optimizer.global_grad_norm = ds_state.include_in_gradient_norm(engine, optimizer.own_grad_norm)
         ds_state.drop_gradients_with(engine, optimizer.drop_own_gradients)
         optimizer.communication_dtype = engine.communication_data_type
+        optimizer.reduce_group = ds_state.data_parallel_group()
 
 
 def describe_offload_plan(plan: Optional[OffloadPlan]) -> str:

@@ -61,8 +61,8 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
     ``adamw_mode`` True: decoupled weight decay (AdamW); False: L2 added to the gradient (Adam), as DeepSpeed's
     ``adam_w_mode``. ``host_params`` is the :class:`~ds_pseudo_real.offload.params.HostParamStore` of the model when
     any group is at ``host_params``. ``own_groups``: host_params groups this optimizer reduces (averaged over
-    ``reduce_group``, default the world; experts summed over their expert-data-parallel group) and steps itself,
-    outside ``param_groups`` (see the module docstring).
+    ``reduce_group``, DeepSpeed's data-parallel group, which ``attach_to_engine`` sets; experts summed over their
+    expert-data-parallel group) and steps itself, outside ``param_groups`` (see the module docstring).
     """
 
     def __init__(self, param_groups: Iterable[Dict[str, Any]], lr: float = 1e-3, betas=(0.9, 0.999),
@@ -81,7 +81,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
             raise ValueError("own_groups are host_params groups: pass the HostParamStore serving them as host_params")
         self.own_state: Dict[torch.Tensor, Dict[str, Any]] = {}
         self._own_group_of = {p: g for g in self.own_param_groups for p in g["params"]}
-        self._reduce_group = reduce_group
+        self.reduce_group = reduce_group  # None: the world, as DeepSpeed's data-parallel group is without an mpu
         self._streamed: Dict[torch.Tensor, Optional[Any]] = {}  # own params with a host gradient not yet stepped
         self.peak_streamed_gradient_bytes = 0  # the largest gradient seen on the device by the streaming hook
         self.clip_grad = clip_grad
@@ -237,14 +237,14 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         the device, copy it into the host buffer (added there under gradient accumulation) and free it."""
         grad, group = p.grad, self._own_group_of[p]
         self.peak_streamed_gradient_bytes = max(self.peak_streamed_gradient_bytes, grad.numel() * grad.element_size())
-        if dist.is_initialized() and dist.get_world_size(self._reduce_group) > 1:
+        if dist.is_initialized() and dist.get_world_size(self.reduce_group) > 1:
             grad = grad.to(self.communication_dtype or grad.dtype)  # DeepSpeed's rounding: bf16 runs reduce in bf16
             # DeepSpeed's averaging (0.19.8 ZeRO ``average_tensor``): summed over the ranks holding the same
             # parameters (for experts, their expert-data-parallel group), divided by the data-parallel size
             sum_group = self._sum_group_of(group)
             if dist.get_world_size(sum_group) > 1:
                 dist.all_reduce(grad, group=sum_group)
-            grad.div_(dist.get_world_size(self._reduce_group))
+            grad.div_(dist.get_world_size(self.reduce_group))
         buffer = self._grad_buffers.get(p)
         if buffer is None:
             buffer = self._grad_buffers[p] = self._host_zeros(p)
@@ -271,7 +271,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
             from ds_pseudo_real.ds_state import expert_data_parallel_group
 
             return expert_data_parallel_group(group["name"])
-        return self._reduce_group
+        return self.reduce_group
 
     def _collect_gradients(self) -> None:
         """Without streaming: copy the own params' gradients (reduced by the engine) to the host and free them."""
@@ -308,7 +308,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
             squares[bool(group.get("moe"))] += square
         if any(g.get("moe") for g in self.own_param_groups) and dist.is_initialized():
             experts = squares[True].to(self._collective_device())
-            dist.all_reduce(experts, group=self._reduce_group)
+            dist.all_reduce(experts, group=self.reduce_group)
             squares[True] = experts.to(HOST)
         return (squares[False] + squares[True]).sqrt()
 
