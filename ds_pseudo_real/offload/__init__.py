@@ -128,7 +128,9 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
 
     Call it again on the real model at the delink: a new plan and a new optimizer, nothing reused. Layers at
     ``host_params`` get hooks on their modules and, under ZeRO >= 1 or bf16, gradient-streaming hooks on their
-    parameters, which stay outside DeepSpeed's optimizer (``optimizer.remove_hooks()`` takes them all off). Raises
+    parameters, which stay outside DeepSpeed's optimizer (``optimizer.remove_hooks()`` takes them all off), and
+    DeepSpeed's model broadcast at initialize sends host tensors through the device under NCCL
+    (``ds_state.route_host_broadcasts``). Raises
     :class:`ConfigError` for a bad section or optimizer, :class:`PlanError` when nothing fits the budget or a
     level is not accepted (``host_params`` for ``other``; for every layer's experts under ZeRO >= 1 or bf16).
     """
@@ -147,6 +149,8 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
     host_params = None
     if fetched:
         from ds_pseudo_real.offload.params import HostParamStore
+
+        ds_state.route_host_broadcasts()  # the engine broadcasts the model, host tensors included, at initialize
         host_params = HostParamStore(model, layer_path, [g["params"] for g in fetched],
                                      prefetch=section.prefetch, pin_memory=section.pin_memory)
     own = fetched if plan.setup.host_params_outside_deepspeed else []
