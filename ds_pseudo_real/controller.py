@@ -390,11 +390,38 @@ class PseudoToRealController:
             truncate_layers(skeleton, self.layer_path, depth)
         if groups < depth:
             apply_sharing(skeleton, self.layer_path, groups)
-        model = materialize(skeleton, weights)
+        if (self.ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
+            model = self._materialize_partitioned(skeleton, weights)
+        else:
+            model = materialize(skeleton, weights)
         self.depth, self.groups = depth, groups
         self.state.groups = groups
         self.state.stage = REAL if (depth, groups) == (self.num_layers, self.num_layers) else PSEUDO
         self.engine, self.optimizer, _, self.lr_scheduler = self._initialize(model)
+
+    def _materialize_partitioned(self, skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]]) -> nn.Module:
+        """ZeRO-3: give the skeleton storage one layer at a time (then the rest), in the engine's dtype, and hand
+        each to ``deepspeed.zero.Init(module=...)``, which keeps this rank's partition and frees the rest, so that a
+        rank never holds more than one layer of the model in full."""
+        planned = list(skeleton.named_parameters())  # kept alive: ids below must not be reused by new tensors
+        names = {id(param): name for name, param in planned}
+        made: Dict[int, nn.Parameter] = {}
+        dtype = torch.bfloat16 if (self.ds_config.get("bf16") or {}).get("enabled") else (
+            torch.float16 if (self.ds_config.get("fp16") or {}).get("enabled") else torch.float32)
+        for unit in [*get_layer_list(skeleton, self.layer_path), skeleton]:
+            for module in unit.modules():
+                for key, param in list(module._parameters.items()):
+                    if param is None or (id(param) not in made and param.device.type != "meta"):
+                        continue
+                    if id(param) not in made:
+                        real = parameter_like(param, torch.empty_like(param, device="cpu", dtype=dtype))
+                        if weights is not None:
+                            with torch.no_grad():
+                                real.copy_(weights[names[id(param)]])
+                        made[id(param)] = real
+                    module._parameters[key] = made[id(param)]
+            deepspeed.zero.Init(module=unit, config_dict_or_path=self.ds_config, dtype=dtype, mpu=self._mpu)
+        return skeleton
 
     def _build_real_engine(self, real_weights: Optional[Dict[str, torch.Tensor]]) -> None:
         self._build_engine(self.num_layers, self.num_layers, real_weights)

@@ -85,7 +85,7 @@ def train(engine, steps, rank=0):
     return losses
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_progressive_schedule_is_exact_at_every_transition(stage):
     probe_batch = fixed_batch(99)
     ref = [None]
@@ -226,7 +226,7 @@ class Snapshot(BeforeDelink):
             self.seen["moments"] = ds_state.full_moments(engine.engine, named["layers.0.fc.weight"])
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_shallow_model_grows_by_stacking_copies_of_itself(stage):
     ref = [None]
     snap = Snapshot(ref, fixed_batch(99))
