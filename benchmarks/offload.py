@@ -1,12 +1,16 @@
 """Granular offload against no offload, ZeRO-2 full ``offload_optimizer: cpu`` and ZeRO-3 ``offload_optimizer.ratio``.
 
 Per arm: median step time, peak device memory (``torch.cuda.max_memory_allocated``, CUDA only) and losses; for the
-granular arm also the plan and the bytes the optimizer holds and moves against the plan's prediction. On CPU the
-step times say little (the "device" is the host): what counts there is exactness (the granular losses equal the
-no-offload losses with the same Adam kernel and param groups) and the accounting. Prints a table and the ratios,
-writes JSON.
+granular arm also the plan and the bytes the optimizer holds and moves against the plan's prediction, and its peak
+against the plan's device total plus the activation estimate. On CPU the step times say little (the "device" is the
+host): what counts there is exactness (the granular losses equal the no-offload losses with the same Adam kernel and
+param groups) and the accounting. The paths a real run takes are options: gradient accumulation, each layer under
+``torch.utils.checkpoint``, bf16, and a step DeepSpeed skips (an inf gradient injected). Prints a table and the
+ratios, writes JSON.
 
     python benchmarks/offload.py --layers 8 --d-model 256 --device-memory 100MB           # CPU: exactness + bytes
+    python benchmarks/offload.py --layers 8 --d-model 256 --device-memory 60MB --max-level host_params \
+        --gradient-clipping 0 --gradient-accumulation 2 --checkpoint-activations non-reentrant --skip-step 3
     python benchmarks/offload.py --layers 24 --d-model 2048 --bf16 --device-memory 12GB --arms all  # GPU: time + memory
 """
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -36,6 +41,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6, help="timed steps after --warmup")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--gradient-accumulation", type=int, default=1, help="micro-batches per optimizer step "
+                        "(DeepSpeed's gradient_accumulation_steps); a step's time covers all of them")
+    parser.add_argument("--checkpoint-activations", choices=("non-reentrant", "reentrant"), help="run each layer "
+                        "under torch.utils.checkpoint of that kind (the layer's call, offload hooks included)")
+    parser.add_argument("--skip-step", type=int, help="inject an inf into one gradient of the middle layer at this "
+                        "optimizer step (0-based, warmup included), so that DeepSpeed skips it (ZeRO 1/2, or bf16)")
     parser.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage of the none and granular arms")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--device-memory", default="4MB", help="granular budget per device, e.g. 20GB")
@@ -51,7 +62,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--arms", default="none,granular", help=f"comma list of {ARMS} or 'all'")
     parser.add_argument("--out", default=str(RESULTS / "offload.json"))
     parser.add_argument("--one-arm", help=argparse.SUPPRESS)  # internal: run one arm in this process
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.gradient_accumulation < 1:
+        parser.error(f"--gradient-accumulation: got {args.gradient_accumulation}; accepted: an integer >= 1")
+    if args.skip_step is not None and not 0 <= args.skip_step < args.warmup + args.steps:
+        parser.error(f"--skip-step: got {args.skip_step}; accepted: 0 to {args.warmup + args.steps - 1} "
+                     f"(--warmup + --steps - 1)")
+    return args
 
 
 def base_config(args, stage: int, numel: int) -> Dict:
@@ -59,13 +76,40 @@ def base_config(args, stage: int, numel: int) -> Dict:
     from ds_pseudo_real.offload.config import REDUCE_BUCKET_SIZE
 
     bucket = int(args.reduce_bucket_size or min(REDUCE_BUCKET_SIZE, numel))
-    config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": args.micro_batch,
+              "gradient_accumulation_steps": args.gradient_accumulation,
               "steps_per_print": 10**9, "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
               "gradient_clipping": args.gradient_clipping}
     if args.bf16:
         config["bf16"] = {"enabled": True}
     return config
+
+
+class CheckpointedCall:
+    """Mixin of a layer class: calling the layer runs its whole call, hooks included, under
+    ``torch.utils.checkpoint``, so that the recompute in backward runs the offload's forward hooks again (as
+    Megatron's and DeepSpeed's checkpointing of a layer do). Parameters and their names are the layer's own."""
+
+    use_reentrant = False
+
+    def __call__(self, *inputs):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(super().__call__, *inputs, use_reentrant=self.use_reentrant)
+
+
+def build_model(args):
+    """The seed-0 GPT of every arm; with ``--checkpoint-activations`` each of its layers a ``CheckpointedCall``."""
+    import torch
+
+    torch.manual_seed(0)
+    model = build_gpt(args.layers, args.d_model, args.heads, args.seq_len)
+    if args.checkpoint_activations:
+        for layer in model.layers:
+            layer.__class__ = type(f"Checkpointed{type(layer).__name__}", (CheckpointedCall, type(layer)), {})
+            layer.use_reentrant = args.checkpoint_activations == "reentrant"
+    return model
 
 
 def build_arm(arm: str, args):
@@ -76,8 +120,7 @@ def build_arm(arm: str, args):
 
     from ds_pseudo_real.offload import attach_to_engine, build_offload_optimizer, model_groups
 
-    torch.manual_seed(0)
-    model = build_gpt(args.layers, args.d_model, args.heads, args.seq_len)
+    model = build_model(args)
     numel = sum(p.numel() for p in model.parameters())
     if arm == "granular":
         config = base_config(args, args.zero_stage, numel)
@@ -123,28 +166,37 @@ def run_arm(arm: str, args) -> Dict:
     except torch.cuda.OutOfMemoryError as error:  # "no offload when it fits"
         return {"arm": arm, "error": f"out of memory: {str(error).splitlines()[0]}"}
     rank = torch.distributed.get_rank()
+    clock = {"step": None, "micro": None}
+    if args.skip_step is not None:
+        name, param = poisoned_parameter(engine.module, args.layers)
+        param.register_hook(lambda grad: poison(grad) if (clock["step"], clock["micro"]) == (args.skip_step, 0)
+                            else grad)
     losses, times, moved = [], [], None
     for step in range(args.warmup + args.steps):
-        g = torch.Generator().manual_seed(1000 * rank + step)
-        x = torch.randint(0, 256, (args.micro_batch, args.seq_len), generator=g).to(engine.device)
-        before = optimizer.moved_bytes + (optimizer.host_params.fetched_bytes if optimizer.host_params else 0) \
-            if optimizer else 0
+        clock["step"] = step
+        before = offload_bytes(optimizer)
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = engine(x, x.roll(-1, 1))
-        engine.backward(loss)
-        engine.step()
+        for micro in range(args.gradient_accumulation):
+            clock["micro"] = micro
+            g = torch.Generator().manual_seed(1000 * rank + args.gradient_accumulation * step + micro)
+            x = torch.randint(0, 256, (args.micro_batch, args.seq_len), generator=g).to(engine.device)
+            loss = engine(x, x.roll(-1, 1))
+            engine.backward(loss)
+            engine.step()  # DeepSpeed steps the optimizer at the last micro-batch only
+            losses.append(loss.item())
         if cuda:
             torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-        if optimizer:
-            moved = optimizer.moved_bytes + (optimizer.host_params.fetched_bytes if optimizer.host_params else 0) \
-                - before
+        if optimizer and step != args.skip_step:
+            moved = {k: v - before[k] for k, v in offload_bytes(optimizer).items()}
     result = {"arm": arm, "step_s_median": statistics.median(times), "losses": losses,
+              "skipped_steps": engine.skipped_steps,
               "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+    if args.skip_step is not None:
+        result["poisoned_parameter"] = name
     if plan is not None:
         held = optimizer.held_bytes()
         result["plan"] = {"levels": plan.levels(), "table": describe_offload_plan(plan),
@@ -153,18 +205,55 @@ def run_arm(arm: str, args) -> Dict:
                                         "moved_per_step": plan.moved_bytes_per_step,
                                         "device_total": plan.device_bytes,
                                         "host_allocated": plan.host_allocated_bytes,
-                                        "offload_s_per_step": plan.offload_seconds_per_step},
+                                        "offload_s_per_step": plan.offload_seconds_per_step,
+                                        "activations_estimate": activations_estimate(args)},
                           "measured": {"optimizer_device": held["device"], "optimizer_host": held["host"],
-                                       "moved_per_step": moved}}
+                                       "moved_per_step": sum(moved.values()) if moved else None,
+                                       "moved_per_step_parts": moved}}
     engine.destroy()
     del engine, optimizer
     gc.collect()
     return result
 
 
-def report(results: List[Dict]) -> Dict:
+def offload_bytes(optimizer) -> Dict[str, int]:
+    """Bytes the granular optimizer has moved so far: optimizer traffic (gradients and parameters between host and
+    device around its step) and host_params fetches; zeros without it."""
+    if optimizer is None:
+        return {"optimizer": 0, "host_params_fetched": 0}
+    return {"optimizer": optimizer.moved_bytes,
+            "host_params_fetched": optimizer.host_params.fetched_bytes if optimizer.host_params else 0}
+
+
+def poisoned_parameter(model, num_layers: int):
+    """(name, parameter) whose gradient ``--skip-step`` poisons: the first of the middle layer, the same in every
+    arm (one of the granular optimizer's own groups when that layer is at host_params)."""
+    prefix = f"layers.{num_layers // 2}."
+    return next((n, p) for n, p in model.named_parameters() if n.startswith(prefix))
+
+
+def poison(grad):
+    """``grad`` with an inf in its first element: DeepSpeed finds the step's gradient norm invalid and skips it."""
+    grad = grad.clone()
+    grad.view(-1)[0] = float("inf")
+    return grad
+
+
+def activations_estimate(args) -> int:
+    """The planner's activation estimate for this model and micro-batch (not in the plan's device total, whose
+    budget leaves activations out), to set the measured peak against."""
+    from ds_pseudo_real.offload.planner import estimate_activation_bytes
+
+    return estimate_activation_bytes(args.micro_batch, args.seq_len, args.d_model, args.heads, args.layers,
+                                     "bf16" if args.bf16 else "fp32", bool(args.checkpoint_activations))
+
+
+def report(results: List[Dict], skip_step: Optional[int] = None) -> Dict:
     by_arm = {r["arm"]: r for r in results if "error" not in r}
     summary: Dict[str, Optional[object]] = {}
+    if skip_step is not None:
+        summary["skipped_steps"] = {arm: r["skipped_steps"] for arm, r in by_arm.items()}
+        summary["skip_step_skipped_by_every_arm"] = all(r["skipped_steps"] == 1 for r in by_arm.values())
     if "none" in by_arm and "granular" in by_arm:
         # bit-equal on CPU, where both arms run the same Adam kernel; on CUDA "none" runs DeepSpeed's fused Adam
         summary["granular_losses_equal_none"] = by_arm["granular"]["losses"] == by_arm["none"]["losses"]
@@ -175,6 +264,13 @@ def report(results: List[Dict]) -> Dict:
         summary["accounting_equal_plan"] = all(
             granular["plan"]["measured"][k] == granular["plan"]["predicted"][k]
             for k in ("optimizer_device", "optimizer_host", "moved_per_step"))
+        if granular["peak_device_bytes"]:
+            predicted = granular["plan"]["predicted"]
+            summary["peak_device_over_plan_with_activations"] = granular["peak_device_bytes"] / (
+                predicted["device_total"] + predicted["activations_estimate"])
+        # every arm's step time against granular's, side by side (> 1: that arm is slower)
+        summary["step_time_over_granular"] = {arm: r["step_s_median"] / granular["step_s_median"]
+                                              for arm, r in by_arm.items()}
         for other in ("none", "zero2_offload", "zero3_ratio"):
             if other in by_arm:
                 summary[f"step_time_granular_over_{other}"] = granular["step_s_median"] / by_arm[other]["step_s_median"]
@@ -206,7 +302,7 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"--arms: got {unknown}; accepted: {list(ARMS)} or 'all'")
     results = [run_isolated(arm, argv) for arm in arms]
-    summary = report(results)
+    summary = report(results, args.skip_step)
     rows = [[r["arm"], r.get("error") or f"{r['step_s_median'] * 1000:.1f}",
              "-" if not r.get("peak_device_bytes") else f"{r['peak_device_bytes'] / 2**20:.1f}",
              "-" if "losses" not in r else f"{r['losses'][0]:.6f} -> {r['losses'][-1]:.6f}"] for r in results]
@@ -215,8 +311,15 @@ def main(argv=None) -> int:
         if "plan" in r:
             print(r["plan"]["table"])
             print(f"predicted {r['plan']['predicted']}\nmeasured  {r['plan']['measured']}")
+            if r["peak_device_bytes"]:
+                predicted = r["plan"]["predicted"]
+                print(f"peak device {r['peak_device_bytes'] / 2**20:.1f} MiB; plan "
+                      f"{predicted['device_total'] / 2**20:.1f} MiB + activations estimated "
+                      f"{predicted['activations_estimate'] / 2**20:.1f} MiB")
     for key, value in summary.items():
-        print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in value.items())
+        print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
     path = write_json(Path(args.out), {"machine": machine_description(), "args": vars(args), "results": results,
                                        "summary": summary})
     print(f"wrote {path}")

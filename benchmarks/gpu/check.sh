@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The GPU check of the granular offload, as one script of a few minutes, on a machine that has torch (with CUDA)
 # but maybe no DeepSpeed and no package registry: installs the bundle from benchmarks/gpu/bundle.sh (only what is
-# missing), then runs benchmarks/offload.py twice and writes everything under $OUT (default benchmarks/results/gpu):
+# missing), then runs benchmarks/offload.py and writes everything under $OUT (default benchmarks/results/gpu), all
+# within 480 s (CHECK_SECONDS):
 #   1. exactness and byte accounting of a small model on the device (CUDA streams, pinned host buffers): the
-#      granular losses must equal the no-offload losses and the bytes the plan's prediction;
+#      granular losses must equal the no-offload losses and the bytes the plan's prediction; at host_optimizer, at
+#      host_params, and at host_params with activation checkpointing, gradient accumulation 2 and a skipped step,
+#      in fp32 and bf16;
 #   2. the planner's pinned-memory rounding and side-stream pool, measured (benchmarks/gpu/byte_model.py); then
-#      step time and peak device memory of no offload, ZeRO-2 + full offload_optimizer, ZeRO-3 + ratio and the
-#      granular plan for a 1.2B-parameter GPT in bf16 under a 12 GB budget (all resident it needs 18 GiB).
+#      step time and peak device memory (the granular one against the plan) of no offload, ZeRO-2 + full
+#      offload_optimizer, ZeRO-3 + ratio and the granular plan for a 1.2B-parameter GPT in bf16 under a 12 GB
+#      budget (all resident it needs 18 GiB), each arm's step time over granular's printed side by side.
 # Without CUDA it runs step 1 on the CPU only. Usage: bash benchmarks/gpu/check.sh [BUNDLE_DIR, default .whl]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,22 +42,47 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 
 cuda=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
+# every step runs under `timeout`, clipped to what is left of the script's 480 s, so that the whole check fits one
+# 10-minute device call; a step left without time is reported and counts as a failure
+DEADLINE=$((SECONDS + ${CHECK_SECONDS:-480}))
+status=0
+step() {  # step LIMIT_S NAME COMMAND...: run COMMAND for at most LIMIT_S seconds (less if the deadline is closer)
+  local limit=$1 name=$2 left=$((DEADLINE - SECONDS))
+  shift 2
+  if [ "$left" -lt 20 ]; then echo "== $name: skipped, ${left}s left of the check's time"; status=1; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (at most ${limit}s)"
+  timeout "$limit" "$@" || { echo "== $name: exit $?"; status=1; }
+}
+# DeepSpeed's CPU Adam is compiled on first use: once here, so that no benchmark's time limit can kill the build
+# halfway (a killed build leaves a lock in TORCH_EXTENSIONS_DIR that the next process waits on)
+step 180 build_cpu_adam "$PY" -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
 # budgets that offload part of the 6.5M-parameter model (129 MB of fp32 params, gradients and Adam state under
 # ZeRO 2); on CUDA the plan adds its 26 MB reduce bucket and a 22 MiB allocator pool per side stream
 if [ "$cuda" = 1 ]; then budgets=(140MB 100MB); else budgets=(100MB 60MB); fi
-timeout 240 "$PY" benchmarks/offload.py --layers 8 --d-model 256 --device-memory "${budgets[0]}" --arms none,granular \
+small=(--layers 8 --d-model 256)
+step 120 exactness "$PY" benchmarks/offload.py "${small[@]}" --device-memory "${budgets[0]}" --arms none,granular \
   --out "$OUT/offload_exactness.json"
-status=$?
 # host_params under ZeRO 2: parameters fetched on a side stream, gradients streamed off in backward hooks
-timeout 240 "$PY" benchmarks/offload.py --layers 8 --d-model 256 --device-memory "${budgets[1]}" --max-level host_params \
-  --gradient-clipping 0 --arms none,granular --out "$OUT/offload_host_params.json" || status=$?
+host_params=("${small[@]}" --device-memory "${budgets[1]}" --max-level host_params --gradient-clipping 0
+  --arms none,granular)
+step 120 host_params "$PY" benchmarks/offload.py "${host_params[@]}" --out "$OUT/offload_host_params.json"
+# the paths a real run takes, at host_params: each layer recomputed in backward (the recompute fetches the layer
+# again), 2 micro-batches per step, and an inf gradient at step 3 that DeepSpeed and the offload groups must skip;
+# in fp32 (non-reentrant checkpointing) and, after the timing, bf16 (reentrant)
+real_run=(--gradient-accumulation 2 --skip-step 3 --steps 4)
+step 120 host_params_ckpt_ga2_skip "$PY" benchmarks/offload.py "${host_params[@]}" "${real_run[@]}" \
+  --checkpoint-activations non-reentrant --out "$OUT/offload_host_params_ckpt_ga2_skip.json"
 if [ "$cuda" = 1 ]; then
   # the planner's pinned-memory rounding and side-stream pool, measured (seconds)
-  timeout 120 "$PY" benchmarks/gpu/byte_model.py --out "$OUT/byte_model.json" || status=$?
-  timeout 330 "$PY" benchmarks/offload.py --layers 24 --d-model 2048 --seq-len 256 --micro-batch 2 --bf16 --device-memory 12GB \
-    --max-level host_params --arms all --out "$OUT/offload_gpu.json" || status=$?
+  step 60 byte_model "$PY" benchmarks/gpu/byte_model.py --out "$OUT/byte_model.json"
+  # step time and peak device memory (vs the plan) of every arm at the same 12 GB budget; ratios printed
+  step 300 timing "$PY" benchmarks/offload.py --layers 24 --d-model 2048 --seq-len 256 --micro-batch 2 --bf16 \
+    --device-memory 12GB --max-level host_params --arms all --out "$OUT/offload_gpu.json"
 else
-  echo "no CUDA device: step 2 (step time and peak device memory) skipped"
+  echo "no CUDA device: step time and peak device memory skipped"
 fi
+step 120 host_params_ckpt_ga2_skip_bf16 "$PY" benchmarks/offload.py "${host_params[@]}" "${real_run[@]}" --bf16 \
+  --checkpoint-activations reentrant --out "$OUT/offload_host_params_ckpt_ga2_skip_bf16.json"
 echo "gpu check finished with status $status"
 exit $status

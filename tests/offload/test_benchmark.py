@@ -1,4 +1,5 @@
-"""benchmarks/offload.py on CPU: the granular arm's losses equal the no-offload arm's and its bytes equal the plan."""
+"""benchmarks/offload.py on CPU: the granular arm's losses equal the no-offload arm's and its bytes equal the plan,
+also with each layer checkpointed, 2 micro-batches per step and a step DeepSpeed skips."""
 import json
 import os
 import subprocess
@@ -7,25 +8,69 @@ import sys
 import pytest
 from conftest import REPO
 
+SMALL = ["--layers", "3", "--d-model", "32", "--steps", "2", "--warmup", "1"]
+HOST_PARAMS = ["--device-memory", "500KB", "--max-level", "host_params", "--gradient-clipping", "0"]
+HELD = ("optimizer_device", "optimizer_host")
+
+
+def run_benchmark(tmp_path, *flags):
+    out = tmp_path / "offload.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "benchmarks/offload.py", *flags, "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return proc, json.loads(out.read_text()) if proc.returncode == 0 else None
+
+
+def arm(report, name):
+    return next(r for r in report["results"] if r["arm"] == name)
+
 
 @pytest.mark.parametrize("flags, levels", [
     (["--device-memory", "980KB"], {"host_optimizer", "device"}),
     # ZeRO 2 with layers at host_params, outside DeepSpeed's optimizer (exact without clipping)
-    (["--device-memory", "500KB", "--max-level", "host_params", "--gradient-clipping", "0"],
-     {"host_optimizer", "host_params"}),
+    (HOST_PARAMS, {"host_optimizer", "host_params"}),
 ], ids=["host_optimizer", "host_params"])
 def test_cpu_benchmark_reports_exactness_and_accounting(tmp_path, flags, levels):
-    out = tmp_path / "offload.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "benchmarks/offload.py", "--layers", "3", "--d-model", "32", "--steps", "2",
-                           "--warmup", "1", *flags, "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc, report = run_benchmark(tmp_path, *SMALL, *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    granular = next(r for r in report["results"] if r["arm"] == "granular")
+    granular = arm(report, "granular")
     assert set(granular["plan"]["levels"].values()) == levels
-    assert granular["plan"]["measured"] == {k: granular["plan"]["predicted"][k]
-                                            for k in ("optimizer_device", "optimizer_host", "moved_per_step")}
+    measured, predicted = granular["plan"]["measured"], granular["plan"]["predicted"]
+    assert {k: measured[k] for k in (*HELD, "moved_per_step")} == {k: predicted[k] for k in (*HELD, "moved_per_step")}
+    assert measured["moved_per_step"] == sum(measured["moved_per_step_parts"].values())
     assert report["summary"]["granular_losses_equal_none"] is True
     assert report["summary"]["accounting_equal_plan"] is True
+    assert report["summary"]["step_time_over_granular"]["granular"] == 1.0
     assert "granular_losses_equal_none: True" in proc.stdout
+
+
+def test_checkpointed_layers_at_host_params_with_accumulation_and_a_skipped_step(tmp_path):
+    """The recompute of a checkpointed host_params layer, 2 micro-batches per step and an inf gradient at step 2:
+    every micro-batch's loss equals the no-offload arm's, and both arms skip that one step."""
+    steps, accumulation, skipped = 4, 2, 2
+    proc, report = run_benchmark(tmp_path, *SMALL, "--steps", str(steps - 1), *HOST_PARAMS, "--gradient-accumulation",
+                                 str(accumulation), "--checkpoint-activations", "non-reentrant",
+                                 "--skip-step", str(skipped))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    none, granular = arm(report, "none"), arm(report, "granular")
+    assert set(granular["plan"]["levels"].values()) == {"host_optimizer", "host_params"}
+    assert len(granular["losses"]) == steps * accumulation
+    assert granular["losses"] == none["losses"]
+    assert none["skipped_steps"] == granular["skipped_steps"] == 1
+    assert granular["poisoned_parameter"] == none["poisoned_parameter"] == "layers.1.ln1.weight"
+    assert report["summary"]["skip_step_skipped_by_every_arm"] is True
+    assert report["summary"]["granular_losses_equal_none"] is True
+    measured, predicted = granular["plan"]["measured"], granular["plan"]["predicted"]
+    assert {k: measured[k] for k in HELD} == {k: predicted[k] for k in HELD}
+    assert "skip_step_skipped_by_every_arm: True" in proc.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--skip-step", "3"], "--skip-step: got 3; accepted: 0 to 2"),
+    (["--gradient-accumulation", "0"], "--gradient-accumulation: got 0; accepted: an integer >= 1"),
+    (["--checkpoint-activations", "full"], "invalid choice: 'full'"),
+])
+def test_flags_out_of_range_are_refused_with_what_is_accepted(tmp_path, flags, message):
+    proc, _ = run_benchmark(tmp_path, *SMALL, *flags)
+    assert proc.returncode == 2
+    assert message in proc.stderr
