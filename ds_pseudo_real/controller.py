@@ -267,8 +267,9 @@ class PseudoToRealController:
         return engine, opt, loader, scheduler
 
     def _refuse_model_parallelism(self) -> None:
-        """Granular offload reduces the gradients of the groups it steps itself over every rank: with tensor,
-        pipeline or sequence parallelism the data-parallel group is smaller, and the result would be wrong."""
+        """Granular offload is written for data (and expert) parallelism: its groups outside DeepSpeed's optimizer
+        are reduced over DeepSpeed's data-parallel group, but tensor, pipeline or sequence parallel layers (split
+        parameters, stages, sequence shards) are not handled, so they are refused until supported."""
         mpu, config = self._mpu, self.full_ds_config
         sizes = {
             "tensor parallel (mpu)": getattr(mpu, "get_tensor_model_parallel_world_size", lambda: 1)(),
