@@ -478,9 +478,11 @@ class PseudoToRealController:
         self._release_engine()
         (old_depth, old_groups), (new_depth, new_groups) = (self.depth, self.groups), self.next_stage
         every_layer = [name for name, _ in self._skeleton.named_parameters(remove_duplicate=False)]
-        starts = {  # views: materialize copies them into place
-            name: weights[self._source_name(name, old_depth, old_groups)[0]] for name in every_layer
-            if layer_index_of(name, self.layer_path) is None or layer_index_of(name, self.layer_path) < new_depth}
+        sources = {name: self._source_name(name, old_depth, old_groups)[0] for name in every_layer
+                   if layer_index_of(name, self.layer_path) is None or layer_index_of(name, self.layer_path) < new_depth}
+        # views (materialize copies them into place); a name missing from ``weights`` is a tie to another
+        # parameter outside the layers (e.g. a head tied to the embedding), which materialize fills through it
+        starts = {name: weights[source] for name, source in sources.items() if source in weights}
         if self.config.delink_noise:
             starts = self._break_symmetry(starts, self.config.delink_noise)
         self._build_engine(new_depth, new_groups, starts)

@@ -195,11 +195,14 @@ def test_samples_are_disjoint_across_ranks_reproducible_and_blended_by_weight(tm
     # rank unconditionally: the main job always has a process group; here, a one-rank gloo group.
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    ours = not dist.is_initialized()  # the test session may have one already
+    if ours:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         check_blend(tmp_path)
     finally:
-        dist.destroy_process_group()
+        if ours:
+            dist.destroy_process_group()
 
 
 def check_blend(tmp_path):
