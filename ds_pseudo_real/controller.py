@@ -350,17 +350,18 @@ class PseudoToRealController:
             self.delink()
 
     # ---- the delink ----------------------------------------------------------------------------------------
-    def _source_name(self, name: str, depth: int, groups: int) -> Tuple[str, int]:
-        """The parameter of the model of ``depth`` layers in ``groups`` parameter sets that ``name`` (a parameter of
-        the next stage's model) starts from, and how many of the new sets split each old one: a group's first layer
+    def _source_name(self, name: str, old: Tuple[int, int], new: Tuple[int, int]) -> Tuple[str, int]:
+        """The parameter of the ``old`` stage's model (layers, parameter groups) that ``name``, a parameter of the
+        ``new`` stage's model, starts from, and how many of the new sets split each old one: a group's first layer
         when the sets split (their number), the same layer of the stacked copy when a shallow model grows (1)."""
         index = layer_index_of(name, self.layer_path)
         if index is None:
             return name, 1
-        if index >= depth or depth < self.depth:  # growing (self is the grown model already when moments move)
+        (depth, groups), (new_depth, new_groups) = old, new
+        if new_depth > depth:
             source, members = index % depth, 1
         else:
-            source, members = group_leader(index, depth, groups), self.groups // groups
+            source, members = group_leader(index, depth, groups), new_groups // groups
         prefix = f"{self.layer_path}.{index}."
         position = name.index(prefix)
         return name[:position] + f"{self.layer_path}.{source}." + name[position + len(prefix):], members
@@ -434,17 +435,11 @@ class PseudoToRealController:
         return self.stages[index] if index < len(self.stages) and self.state.stage == PSEUDO else None
 
     @property
-    def next_groups(self) -> Optional[int]:
-        """The group count the next transition goes to (None in the last stage)."""
-        stage = self.next_stage
-        return None if stage is None else stage[1]
-
-    @property
     def next_trigger(self):
         """The trigger of the next transition (a ``SwitchTrigger``), None in the last stage."""
         triggers = self.config.triggers()
         done = self.state.transitions_done
-        return triggers[done] if self.next_groups is not None and done < len(triggers) else None
+        return triggers[done] if self.next_stage is not None and done < len(triggers) else None
 
     def _release_engine(self) -> None:
         remove_hooks = getattr(ds_state.basic_optimizer(self.engine), "remove_hooks", None)
@@ -476,9 +471,10 @@ class PseudoToRealController:
         steps = {k: getattr(old, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
         del old
         self._release_engine()
-        (old_depth, old_groups), (new_depth, new_groups) = (self.depth, self.groups), self.next_stage
+        old, new = (self.depth, self.groups), self.next_stage
+        (old_depth, old_groups), (new_depth, new_groups) = old, new
         every_layer = [name for name, _ in self._skeleton.named_parameters(remove_duplicate=False)]
-        sources = {name: self._source_name(name, old_depth, old_groups)[0] for name in every_layer
+        sources = {name: self._source_name(name, old, new)[0] for name in every_layer
                    if layer_index_of(name, self.layer_path) is None or layer_index_of(name, self.layer_path) < new_depth}
         # views (materialize copies them into place); a name missing from ``weights`` is a tie to another
         # parameter outside the layers (e.g. a head tied to the embedding), which materialize fills through it
@@ -499,7 +495,7 @@ class PseudoToRealController:
             ds_state.seed_optimizer_state(engine, counters)
             starts: Dict[str, Dict[str, torch.Tensor]] = {}  # one per shared parameter: set_full_moments copies
             for name, param in engine.module.named_parameters():
-                source, members = self._source_name(name, old_depth, old_groups)
+                source, members = self._source_name(name, old, new)
                 if source in moments:  # the pseudo moments go as soon as their starting values exist
                     starts[source] = member_moments(policy, moments.pop(source), members)
                 if source in starts:

@@ -1,6 +1,7 @@
 """Progressive delinking: a schedule of stages 1 -> 2 -> 4 parameter groups, each transition exact in process (the
 loss on a fixed batch unchanged in fp32, the moments split per policy), checkpoints that record the stage and resume
 exactly, and the schedule's errors."""
+import math
 import sys
 from pathlib import Path
 
@@ -256,7 +257,7 @@ def test_a_shallow_model_grows_by_stacking_copies_of_itself(stage):
     with torch.no_grad():
         expected = stacked(*fixed_batch(99)).item()
     assert eval_loss(engine, fixed_batch(99)) == expected
-    assert len(shallow) == 3 and all(loss == loss for loss in train(engine, 5))
+    assert len(shallow) == 3 and all(math.isfinite(loss) for loss in train(engine, 5))  # the grown model trains
     engine.engine.destroy()
 
 
