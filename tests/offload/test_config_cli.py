@@ -53,6 +53,29 @@ def test_setup_counts_cuda_overheads_with_deepspeeds_defaults():
         training_setup({"zero_optimization": {"stage": 1, "overlap_comm": 1}}, section, 1, 4, "cuda")
 
 
+
+def test_setup_reads_gradient_accumulation_as_deepspeed_derives_it():
+    section = parse_granular_offload({"granular_offload": {"device_memory": 1}})
+
+    def accumulation(**batch_keys):
+        return training_setup(batch_keys, section, 8, 4, "cpu").gradient_accumulation_steps
+
+    assert accumulation() == accumulation(train_micro_batch_size_per_gpu=2) == accumulation(train_batch_size=16) == 1
+    assert accumulation(gradient_accumulation_steps=4) == 4
+    # DeepSpeed 0.19.8 (runtime/config.py): train_batch_size / (micro batch x 8 ranks); the micro batch derived from
+    # the other two; all three must agree
+    assert accumulation(train_batch_size=64, train_micro_batch_size_per_gpu=2) == 4
+    assert accumulation(train_batch_size=64, gradient_accumulation_steps=4) == 4
+    assert accumulation(train_batch_size=64, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4) == 4
+    with pytest.raises(ConfigError, match=r"train_batch_size: got 60, but train_micro_batch_size_per_gpu 2 x "
+                                          r"gradient_accumulation_steps 4 x data-parallel size 8 = 64; accepted:"):
+        accumulation(train_batch_size=60, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4)
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps 3 \(derived\) x data-parallel size 8 = 48"):
+        accumulation(train_batch_size=50, train_micro_batch_size_per_gpu=2)
+    for bad in (0, True, "4"):
+        with pytest.raises(ConfigError, match=rf"gradient_accumulation_steps: got {bad!r}; accepted: an integer >= 1"):
+            accumulation(gradient_accumulation_steps=bad)
+
 @pytest.mark.parametrize("raw, expected", [
     ({"device_memory": "1GB", "bogus": 1}, "granular_offload.bogus: unknown key (got 1)"),
     ({"levels": ["device", "on_disk"]}, "granular_offload.levels: Value error, [1] is 'on_disk'; accepted levels: "
@@ -234,3 +257,39 @@ def test_m6_config_plans_its_experts_per_layer(tmp_path, capsys):
     assert cli_main(["plan", "--config", str(path)]) == 2
     assert "granular_offload.model: got 4 layers of 148224 parameters and 10369 others per rank; the m6 section " \
            "(m6-tiny, expert_parallel 1) has 4 layers of 148224 and 10368" in capsys.readouterr().err
+
+
+def test_plan_command_models_gradient_accumulation(tmp_path, capsys):
+    # fp32 ZeRO 0 on the CPU, 1000 params a layer, layer2 at host_optimizer and layer3 at host_params. The config
+    # gives 32 / (4 x 2 ranks) = 4 micro-batches per optimizer step: layer2's gradient out and master in once
+    # (8000 B), layer3's gradient out once (accumulated on the device, 4000 B) and its params in for every
+    # micro-batch's forward and backward (4 x 2 x 4000 B): 44000 B at 12 GB/s; the host Adam steps 2000 params once
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({
+        "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0},
+        "granular_offload": {"levels": {"2": "host_optimizer", "3": "host_params"},
+                             "model": {"num_layers": 4, "layer_params": 1000}}}))
+
+    def plan(*flags):
+        assert cli_main(["plan", "--config", str(path), "--accelerator", "cpu", *flags]) == 0
+        return capsys.readouterr().out
+
+    def time_line(moved):
+        return (f"modelled offload time per optimizer step {moved / 12e9 + 2000 / 5e8:.3g} s = PCIe "
+                f"{moved / 12e9:.3g} s (at 12 GB/s) + host Adam {2000 / 5e8:.3g} s (2,000 params at 5e+08/s)")
+
+    out = plan("--world-size", "2")
+    assert "granular offload plan: fp32, ZeRO stage 0, data-parallel 2, gradient accumulation 4, budget" in out
+    assert f"moved per optimizer step 42.97 KiB; {time_line(44000)}" in out
+    # the flag replaces the config's batch keys: one micro-batch moves 8000 + 4000 + 2 x 4000 B
+    out = plan("--world-size", "2", "--gradient-accumulation", "1")
+    assert "data-parallel 2, gradient accumulation 1, budget" in out
+    assert f"moved per optimizer step 19.53 KiB; {time_line(20000)}" in out
+    # 32 is no multiple of 4 x 3 ranks: refused naming the key, unless the flag says how many micro-batches
+    assert cli_main(["plan", "--config", str(path), "--accelerator", "cpu", "--world-size", "3"]) == 2
+    assert "train_batch_size: got 32, but train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 " \
+           "(derived) x data-parallel size 3 = 24" in capsys.readouterr().err
+    assert "gradient accumulation 4, budget" in plan("--world-size", "3", "--gradient-accumulation", "4")
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--config", str(path), "--gradient-accumulation", "0"])
+    assert "argument --gradient-accumulation: expected an integer >= 1, got '0'" in capsys.readouterr().err

@@ -263,3 +263,72 @@ def test_modelled_step_time_from_pcie_and_cpu_adam():
     assert plan.host_stepped_numel == 252 + 1001 and plan.host_adam_seconds == pytest.approx(1.253)
     with pytest.raises(PlanError, match=r"granular_offload.pcie_gb_per_s: got 0.0, accepted: a number > 0"):
         TrainingSetup(pcie_bytes_per_s=0)
+
+
+def test_gradient_accumulation_fetches_every_micro_batch_and_steps_once():
+    # fp32 ZeRO 0, 1000 params a layer, layer2 at host_optimizer and layer3 at host_params. Per optimizer step of GA
+    # micro-batches: layer2's gradient out (4000) and master in (4000) once; layer3's gradient, accumulated on the
+    # device until the step, out once (4000), and its params in for every micro-batch's forward and backward
+    # (GA x 2 x 4000). The host Adam steps both layers (2000 params) once per optimizer step, whatever GA.
+    levels = {"layer2": L.HOST_OPTIMIZER, "layer3": L.HOST_PARAMS}
+    one = place(GROUPS, levels, TrainingSetup("fp32", 0, 1, gradient_accumulation_steps=1))
+    four = place(GROUPS, levels, TrainingSetup("fp32", 0, 1, gradient_accumulation_steps=4))
+    assert four.setup.gradient_accumulation_steps == 4
+    assert (one.moved_bytes_per_step, four.moved_bytes_per_step) == (8000 + 4000 + 2 * 4000, 8000 + 4000 + 4 * 2 * 4000)
+    assert four.moved_bytes_per_step == 44000 and four.level_of("layer3") is L.HOST_PARAMS
+    assert [p.bytes.moved_per_step for p in four.placements] == [0, 0, 8000, 36000, 0]
+    assert one.host_stepped_numel == four.host_stepped_numel == 2000
+    # at the documented defaults, 12 GB/s over PCIe and 5e8 params/s for the host Adam, per optimizer step
+    assert (four.transfer_seconds, four.host_adam_seconds) == (pytest.approx(44000 / 12e9), pytest.approx(2000 / 5e8))
+    assert four.offload_seconds_per_step == pytest.approx(3.6667e-6 + 4e-6, rel=1e-4)
+    assert one.offload_seconds_per_step == pytest.approx(20000 / 12e9 + 2000 / 5e8)
+
+
+def test_streamed_gradients_leave_the_device_every_micro_batch():
+    # bf16 ZeRO 2 over 4 ranks, n = 1001 at host_params outside DeepSpeed: every micro-batch streams the fp32
+    # gradient out (4004) and fetches the bf16 params for the forward and the backward (2 x 2002)
+    zero2 = TrainingSetup("bf16", 2, 4, gradient_accumulation_steps=4)
+    assert group_bytes(1001, L.HOST_PARAMS, zero2).moved_per_step == 4 * (4004 + 2 * 2002) == 32032
+    # host_optimizer: DeepSpeed accumulates the gradient partition (252) on the device; out and master in once
+    assert group_bytes(1001, L.HOST_OPTIMIZER, zero2).moved_per_step == 2 * 4 * 252
+    # bf16 ZeRO 0: the engine all-reduces the gradients accumulated on the device after the last micro-batch, and
+    # they go out once
+    zero0 = TrainingSetup("bf16", 0, 2, gradient_accumulation_steps=4)
+    assert group_bytes(1001, L.HOST_PARAMS, zero0).moved_per_step == 4004 + 4 * 2 * 2002
+    # a pseudo layer set serving 6 layers, fp32 ZeRO 0: 6 fetches each way in every micro-batch, one gradient out
+    shared = TrainingSetup("fp32", 0, 1, gradient_accumulation_steps=4)
+    assert group_bytes(1000, L.HOST_PARAMS, shared, uses=6).moved_per_step == 4000 + 4 * 6 * 2 * 4000
+    # the plan: 2016 + 32032 bytes at 12 GB/s and the host Adam over 252 + 1001 params at 5e8/s, per optimizer step
+    groups = [GroupSize("layer0", 1001, 0), GroupSize("layer1", 1001, 1), GroupSize("other", 10)]
+    plan = place(groups, {"layer0": L.HOST_OPTIMIZER, "layer1": L.HOST_PARAMS}, zero2)
+    assert (plan.moved_bytes_per_step, plan.host_stepped_numel) == (34048, 1253)
+    assert plan.offload_seconds_per_step == pytest.approx(34048 / 12e9 + 1253 / 5e8)
+
+
+def test_zero2_holds_the_accumulated_gradient_partition_through_later_micro_batches():
+    # bf16 ZeRO 2 over 2 ranks: layers of 1001 (m = 502) and other of 500 (m = 250). From the second micro-batch
+    # on, DeepSpeed 0.19.8 keeps the partition accumulated so far while the backward fills a fresh one
+    # (stage_1_and_2.py: all_grad_tensors beside a new grads_in_partition): (2 x 502 + 250) x 2 B more
+    groups = [GroupSize("layer0", 1001, 0), GroupSize("layer1", 1001, 1), GroupSize("other", 500)]
+    one = place(groups, {}, TrainingSetup("bf16", 2, 2, activation_bytes=10000))
+    four = place(groups, {}, TrainingSetup("bf16", 2, 2, activation_bytes=10000, gradient_accumulation_steps=4))
+    assert (one.accumulated_gradient_bytes, four.accumulated_gradient_bytes) == (0, 2508)
+    assert four.backward_bytes - one.backward_bytes == four.device_bytes - one.device_bytes == 2508
+    # a host_params group outside DeepSpeed accumulates on the host; ZeRO 1 accumulates into the full gradients
+    # (already counted); ZeRO 0 has no partition
+    assert place(groups, {"layer1": L.HOST_PARAMS}, four.setup).accumulated_gradient_bytes == 2 * (502 + 250)
+    for stage in (0, 1):
+        plan = place(groups, {}, TrainingSetup("bf16", stage, 2, gradient_accumulation_steps=4))
+        assert plan.accumulated_gradient_bytes == 0, stage
+
+
+def test_describe_plan_names_the_gradient_accumulation():
+    setup = TrainingSetup("fp32", 0, 1, gradient_accumulation_steps=4)
+    text = describe_plan(place(GROUPS, {"layer2": L.HOST_OPTIMIZER, "layer3": L.HOST_PARAMS}, setup))
+    assert text.startswith("granular offload plan: fp32, ZeRO stage 0, data-parallel 1, gradient accumulation 4, "
+                           "budget none (explicit levels)\n")
+    assert (f"moved per optimizer step 42.97 KiB; modelled offload time per optimizer step "
+            f"{44000 / 12e9 + 2000 / 5e8:.3g} s = PCIe {44000 / 12e9:.3g} s (at 12 GB/s) + host Adam "
+            f"{2000 / 5e8:.3g} s (2,000 params at 5e+08/s)") in text
+    with pytest.raises(PlanError, match=r"gradient_accumulation_steps: got 0, accepted: an integer >= 1"):
+        TrainingSetup(gradient_accumulation_steps=0)
