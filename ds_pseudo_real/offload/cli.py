@@ -12,7 +12,7 @@ from typing import List, Optional
 
 from ds_pseudo_real.config import ConfigError, load_ds_config
 from ds_pseudo_real.offload.config import (
-    ACCELERATORS, ModelSize, explicit_levels, parse_granular_offload, training_setup,
+    ACCELERATORS, BATCH_KEYS, ModelSize, explicit_levels, parse_granular_offload, training_setup,
 )
 from ds_pseudo_real.offload.planner import (
     PlacementLevel, PlanError, describe_plan, format_bytes, parse_bytes, place, plan_placement, uniform_groups,
@@ -24,6 +24,12 @@ def _byte_arg(text: str) -> int:
         return parse_bytes(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
 
 
 def m6_model_size(raw, given: Optional[ModelSize]) -> ModelSize:
@@ -65,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="what the run trains on: cuda (default) counts the reserve, pinned-memory rounding, "
                              "stream pools and DeepSpeed's reduce bucket; cpu plans a CPU-only run")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (ZeRO partitions over them)")
+    parser.add_argument("--gradient-accumulation", type=_positive_int,
+                        help="micro-batches per optimizer step; replaces the config's train_batch_size, "
+                             "train_micro_batch_size_per_gpu and gradient_accumulation_steps (default: derived from "
+                             "them as DeepSpeed does, 1 when none is given)")
     parser.add_argument("--num-layers", type=int, help="overrides granular_offload.model.num_layers")
     parser.add_argument("--layer-params", type=int, help="parameters per layer per rank; overrides the section's")
     parser.add_argument("--other-params", type=int, help="non-layer parameters per rank; overrides the section's")
@@ -85,6 +95,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             ds_config["granular_offload"]["device_memory"] = args.device_memory
         if args.host_memory is not None:
             ds_config.setdefault("granular_offload", {})["host_memory"] = args.host_memory
+        if args.gradient_accumulation is not None:
+            for key in BATCH_KEYS:
+                ds_config.pop(key, None)
+            ds_config["gradient_accumulation_steps"] = args.gradient_accumulation
         section = parse_granular_offload(ds_config)
         if section is None:
             raise ConfigError(f"{args.config}: no enabled granular_offload section and no --device-memory given")

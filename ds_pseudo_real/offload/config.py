@@ -2,8 +2,8 @@
 
 Owns: the pydantic model of the section (validated like DeepSpeed's own sections, errors through
 ``ds_pseudo_real.config``), and turning a DeepSpeed config + world size into the planner's ``TrainingSetup``,
-with DeepSpeed 0.19.8's defaults for what it reads from ``zero_optimization``. Must not build models, optimizers
-or engines.
+with DeepSpeed 0.19.8's defaults for what it reads from ``zero_optimization`` and its rule for the micro-batches per
+optimizer step. Must not build models, optimizers or engines.
 
     "granular_offload": {
         "device_memory": "32GB",          # plan within this budget per device (int bytes, "GB" = 1e9, "GiB" = 2**30)
@@ -37,6 +37,7 @@ ACCELERATORS = ("cuda", "cpu")
 # zero_optimization defaults of DeepSpeed 0.19.8 (runtime/zero/config.py) that the byte model reads
 REDUCE_BUCKET_SIZE = 500_000_000
 CONTIGUOUS_GRADIENTS = True
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 class ActivationEstimate(SectionModel):
@@ -136,6 +137,37 @@ def _zero_key(zero: Mapping[str, Any], key: str, default: Any, kind: type) -> An
     raise ConfigError(f"invalid config:\n  zero_optimization.{key}: got {value!r}; accepted: {accepted}")
 
 
+def gradient_accumulation_steps(ds_config: Mapping[str, Any], world_size: int) -> int:
+    """Micro-batches per optimizer step, as DeepSpeed 0.19.8 derives them (``runtime/config.py``
+    ``_set_batch_related_parameters``, ``_batch_assertion``): the key left out of ``train_batch_size`` = micro batch x
+    ``gradient_accumulation_steps`` x ``world_size`` follows from the other two (1 when only one batch size is
+    given), and all three must agree. Without ``train_batch_size``, ``gradient_accumulation_steps`` or 1 (DeepSpeed
+    also wants a batch size, which the plan does not need)."""
+    given = {}
+    for key in BATCH_KEYS:
+        value = ds_config.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"invalid config:\n  {key}: got {value!r}; accepted: an integer >= 1")
+            given[key] = value
+    batch, micro, steps = (given.get(key) for key in BATCH_KEYS)
+    if batch is None or world_size < 1:  # TrainingSetup refuses a data-parallel size < 1
+        return steps or 1
+    if micro is None:
+        steps = steps or 1
+        micro = batch // world_size // steps
+    elif steps is None:
+        steps = batch // micro // world_size
+    if batch != micro * steps * world_size:
+        derived = {key: " (derived)" if key not in given else "" for key in BATCH_KEYS}
+        raise ConfigError(
+            f"invalid config:\n  train_batch_size: got {batch}, but train_micro_batch_size_per_gpu {micro}"
+            f"{derived['train_micro_batch_size_per_gpu']} x gradient_accumulation_steps {steps}"
+            f"{derived['gradient_accumulation_steps']} x data-parallel size {world_size} = "
+            f"{micro * steps * world_size}; accepted: train_batch_size equal to that product, as DeepSpeed requires")
+    return steps
+
+
 def default_accelerator() -> str:
     """The accelerator this process runs on, as the offload optimizer sees it (CUDA when torch finds it)."""
     import torch
@@ -145,8 +177,9 @@ def default_accelerator() -> str:
 
 def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig, world_size: int,
                    num_layers: int, accelerator: Optional[str] = None) -> TrainingSetup:
-    """Read dtype, ZeRO stage and DeepSpeed's reduce bucket from the DeepSpeed config; data-parallel size is
-    ``world_size`` (no model parallel).
+    """Read dtype, ZeRO stage, DeepSpeed's reduce bucket and the micro-batches per optimizer step
+    (:func:`gradient_accumulation_steps`) from the DeepSpeed config; data-parallel size is ``world_size`` (no model
+    parallel).
 
     ``accelerator`` (default: this process's, ``default_accelerator()``): ``"cuda"`` counts the overheads only a
     CUDA device has: the ``reserved`` default, pinned-memory rounding (with ``pin_memory``), the side streams'
@@ -177,12 +210,13 @@ def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig,
         buffers = 2 if _zero_key(zero, "overlap_comm", False, bool) else 1  # DeepSpeed: None -> stage == 3
         reduce_bucket = buffers * _zero_key(zero, "reduce_bucket_size", REDUCE_BUCKET_SIZE, int) * DTYPE_BYTES[dtype]
     reserved = section.reserved if section.reserved is not None else (DEFAULT_RESERVED_BYTES if cuda else 0)
+    accumulation = gradient_accumulation_steps(ds_config, world_size)
     try:
         return TrainingSetup(
             dtype, stage, world_size, activation, reserved, reduce_bucket_bytes=reduce_bucket,
             stream_pool_bytes=STREAM_POOL_BYTES if cuda else 0, pinned_host=cuda and section.pin_memory,
             host_memory_bytes=section.host_memory, pcie_bytes_per_s=section.pcie_gb_per_s * 1e9,
-            cpu_adam_params_per_s=section.cpu_adam_params_per_s)
+            cpu_adam_params_per_s=section.cpu_adam_params_per_s, gradient_accumulation_steps=accumulation)
     except PlanError as error:
         raise ConfigError(f"invalid config:\n  {error}") from None
 

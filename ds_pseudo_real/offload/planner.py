@@ -14,13 +14,16 @@ Byte model (per rank, written against DeepSpeed 0.19.8 ``stage_1_and_2.py`` / ``
   Optimizer-owned (what GranularOffloadOptimizer holds): Adam moments 8*m, on the device for DEVICE; for the host
       levels the moments, a host fp32 master 4*m and a host gradient buffer 4*m on the host (for HOST_PARAMS in
       fp32 ZeRO 0 the host params are that master, so they are not counted twice).
-  Moved per step: HOST_OPTIMIZER gradient D2H 4*m + updated master H2D 4*m; HOST_PARAMS gradient D2H 4*n +
-      params H2D twice (forward and backward fetch) 2*n*w per layer using them, and a device buffer for two layers'
-      params (the fetched one and the prefetched next).
+  Moved per optimizer step, of GA = ``gradient_accumulation_steps`` micro-batches: HOST_OPTIMIZER gradient D2H
+      4*m + updated master H2D 4*m, once (DeepSpeed accumulates the gradients on the device); HOST_PARAMS params H2D
+      twice per micro-batch (forward and backward fetch) 2*GA*n*w per layer using them, with a device buffer for
+      two layers' params (the fetched one and the prefetched next), and gradient D2H 4*n, GA times where they are
+      streamed (ZeRO 1/2 outside DeepSpeed, below), else once (accumulated on the device until the step).
   HOST_PARAMS where DeepSpeed keeps its own copies (ZeRO 1/2, bf16): the group is left out of DeepSpeed's
       optimizer (its flat buffers would pin the params to the device). Under ZeRO 1/2 the offload optimizer reduces
       its gradients itself, streaming each to the host as soon as it is accumulated: nothing of it stays on the
-      device but the prefetch buffer and the gradients of one layer in flight. At stage 0 (bf16) the engine
+      device but the prefetch buffer and the gradients of one layer in flight; later micro-batches add theirs
+      into the host buffer. At stage 0 (bf16) the engine
       all-reduces them, so the gradients n*w stay on the device until the step. The host holds params n*w, a
       separate fp32 master 4*n when w != 4, a gradient buffer 4*n and moments 8*n (not partitioned).
 
@@ -35,14 +38,18 @@ DeepSpeed config for the accelerator the run is on):
       ``stage_1_and_2.py`` ``setup_buckets`` allocates it whatever the model's size). No all-gather bucket: ZeRO
       1/2 and the bf16 optimizer gather into their flat buffers with ``all_gather_into_tensor``
       (``runtime/utils.py`` ``all_gather_dp_groups``) whenever torch has it, which every accepted torch does.
+      Under ZeRO 2 with GA > 1, from the second micro-batch on, the gradient partition accumulated so far (m*w per
+      DeepSpeed group: ``all_grad_tensors``) besides the fresh ``grads_in_partition`` the backward fills. ZeRO 1
+      and stage 0 accumulate into the full gradients n*w, counted with the groups.
   Device, during the step (after the backward freed the above): ZeRO 1/2 flatten each DeepSpeed group's gradient
       partition (m*w) and cast it to fp32 (4*m more when w != 4), one group at a time: the largest group's.
   Host: each kind of buffer above (params, master, gradient buffer, each moment) is one flat allocation per
       group; pinned ones (CUDA, ``pin_memory``) are rounded up to a power of two by PyTorch's caching host
       allocator (torch 2.13 ``CachingHostAllocator.h``), so ``host_allocated_bytes`` is what the host gives, and
       it is what ``host_memory`` bounds.
-Modelled time the offload adds to a step (no overlap assumed: an upper bound): the moved bytes over PCIe at
-``pcie_bytes_per_s`` plus the host Adam over the elements the host steps at ``cpu_adam_params_per_s``.
+Modelled time the offload adds to an optimizer step (no overlap assumed: an upper bound): the bytes moved per
+optimizer step over PCIe at ``pcie_bytes_per_s`` plus the host Adam, once per optimizer step whatever GA, over the
+elements the host steps at ``cpu_adam_params_per_s``.
 """
 from __future__ import annotations
 
@@ -140,6 +147,7 @@ class TrainingSetup:
     host_memory_bytes: Optional[int] = None  # refuse placements needing more host memory per rank
     pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_PER_S
     cpu_adam_params_per_s: float = DEFAULT_CPU_ADAM_PARAMS_PER_S
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -148,6 +156,9 @@ class TrainingSetup:
             raise PlanError(f"zero_optimization.stage: got {self.zero_stage!r}, granular offload accepts 0, 1, 2")
         if self.dp_size < 1:
             raise PlanError(f"world size / data-parallel size: got {self.dp_size!r}, accepted: an integer >= 1")
+        if self.gradient_accumulation_steps < 1:
+            raise PlanError(f"gradient_accumulation_steps: got {self.gradient_accumulation_steps!r}, accepted: an "
+                            f"integer >= 1")
         for name, rate in (("pcie_gb_per_s", self.pcie_bytes_per_s / 1e9),
                            ("cpu_adam_params_per_s", self.cpu_adam_params_per_s)):
             if not rate > 0:
@@ -175,7 +186,7 @@ class TrainingSetup:
 
 
 class GroupBytes(NamedTuple):
-    """Per-rank bytes of one group at one level."""
+    """Per-rank bytes of one group at one level (``moved_per_step``: per optimizer step)."""
 
     device: int
     host: int
@@ -234,7 +245,9 @@ def group_bytes(numel: int, level: PlacementLevel, setup: TrainingSetup, uses: i
     ``dp_size`` overrides the ranks the group is partitioned over. Host bytes are the tensors' (unrounded)."""
     level = PlacementLevel(level)
     w, m = setup.working_bytes, partition_numel(numel, setup, dp_size)
+    ga = setup.gradient_accumulation_steps
     params = numel * w
+    fetches = 2 * ga * uses * params  # forward and backward of every micro-batch
     grads = (m if setup.zero_stage == 2 else numel) * w
     ds_master = FP32 * m if setup.has_separate_master else 0
     moments = ADAM_STATES * FP32 * m
@@ -244,9 +257,9 @@ def group_bytes(numel: int, level: PlacementLevel, setup: TrainingSetup, uses: i
     if level is PlacementLevel.HOST_OPTIMIZER:
         return GroupBytes(params + grads + ds_master, host, 2 * FP32 * m, 0, host)
     if outside_deepspeed(level, setup):
-        device = 0 if setup.streams_gradients else numel * w
-        return GroupBytes(device, host, FP32 * numel + 2 * params * uses, 0, host)
-    return GroupBytes(grads, host, FP32 * numel + 2 * params * uses, 0, host)
+        device, streams = (0, ga) if setup.streams_gradients else (numel * w, 1)
+        return GroupBytes(device, host, streams * FP32 * numel + fetches, 0, host)
+    return GroupBytes(grads, host, FP32 * numel + fetches, 0, host)
 
 
 def flat_gradient_bytes(numel: int, setup: TrainingSetup, dp_size: Optional[int] = None) -> int:
@@ -258,6 +271,15 @@ def flat_gradient_bytes(numel: int, setup: TrainingSetup, dp_size: Optional[int]
     return m * setup.working_bytes + (FP32 * m if setup.working_bytes != FP32 else 0)
 
 
+def accumulated_gradient_bytes(numel: int, setup: TrainingSetup, dp_size: Optional[int] = None) -> int:
+    """Device bytes ZeRO 2 holds besides the group's gradient partition during the backward of a micro-batch after
+    the first: the partition accumulated so far, while the backward fills a fresh one (``stage_1_and_2.py``
+    ``independent_gradient_partition_epilogue``: ``all_grad_tensors`` beside a new ``grads_in_partition``)."""
+    if setup.zero_stage != 2 or setup.gradient_accumulation_steps == 1:
+        return 0
+    return partition_numel(numel, setup, dp_size) * setup.working_bytes
+
+
 @dataclass(frozen=True)
 class GroupPlacement:
     group: GroupSize
@@ -265,14 +287,17 @@ class GroupPlacement:
     bytes: GroupBytes
     host_buffers: Tuple[int, ...] = ()
     flat_gradient_bytes: int = 0  # DeepSpeed's step temporaries for this group (0 outside its groups)
+    accumulated_gradient_bytes: int = 0  # DeepSpeed's, during later micro-batches (0 outside its groups)
 
 
 @functools.lru_cache(maxsize=4096)  # the planner places the same few group sizes thousands of times
 def _placement(group: GroupSize, level: PlacementLevel, setup: TrainingSetup) -> GroupPlacement:
+    inside = not outside_deepspeed(level, setup)
     return GroupPlacement(
         group, level, group_bytes(group.numel, level, setup, group.uses, group.dp_size),
         host_buffers(group.numel, level, setup, group.dp_size),
-        0 if outside_deepspeed(level, setup) else flat_gradient_bytes(group.numel, setup, group.dp_size))
+        flat_gradient_bytes(group.numel, setup, group.dp_size) if inside else 0,
+        accumulated_gradient_bytes(group.numel, setup, group.dp_size) if inside else 0)
 
 
 @dataclass
@@ -321,10 +346,15 @@ class OffloadPlan:
         return self.side_streams * self.setup.stream_pool_bytes
 
     @property
+    def accumulated_gradient_bytes(self) -> int:
+        """Device bytes of the gradient partitions ZeRO 2 has accumulated over the earlier micro-batches of a step."""
+        return sum(p.accumulated_gradient_bytes for p in self.placements)
+
+    @property
     def backward_bytes(self) -> int:
         """Device bytes held only during the forward and backward."""
         return (self.setup.activation_bytes + self.prefetch_buffer_bytes + self.streamed_gradient_bytes
-                + self.setup.reduce_bucket_bytes)
+                + self.setup.reduce_bucket_bytes + self.accumulated_gradient_bytes)
 
     @property
     def flat_gradient_bytes(self) -> int:
@@ -352,24 +382,28 @@ class OffloadPlan:
 
     @property
     def host_stepped_numel(self) -> int:
-        """Elements the host Adam steps per step on this rank."""
+        """Elements the host Adam steps per optimizer step on this rank (once, whatever the micro-batches)."""
         return sum(host_numel_stepped(p.group.numel, p.level, self.setup, p.group.dp_size) for p in self.placements)
 
     @property
     def transfer_seconds(self) -> float:
+        """Modelled seconds of host<->device copies per optimizer step."""
         return self.moved_bytes_per_step / self.setup.pcie_bytes_per_s
 
     @property
     def host_adam_seconds(self) -> float:
+        """Modelled seconds of the host Adam per optimizer step."""
         return self.host_stepped_numel / self.setup.cpu_adam_params_per_s
 
     @property
     def offload_seconds_per_step(self) -> float:
-        """Modelled time the offload adds to a step: the transfers, then the host Adam (no overlap assumed)."""
+        """Modelled time the offload adds to an optimizer step (all its micro-batches): the transfers, then the
+        host Adam (no overlap assumed)."""
         return self.transfer_seconds + self.host_adam_seconds
 
     @property
     def moved_bytes_per_step(self) -> int:
+        """Bytes copied between host and device per optimizer step (``gradient_accumulation_steps`` micro-batches)."""
         return sum(p.bytes.moved_per_step for p in self.placements)
 
     @property
@@ -558,8 +592,9 @@ def format_bytes(count: int) -> str:
 def describe_plan(plan: OffloadPlan) -> str:
     """The plan as a table: runs of consecutive groups at the same level collapsed into one row."""
     s = plan.setup
+    budget = format_bytes(plan.budget_bytes) if plan.budget_bytes is not None else "none (explicit levels)"
     head = (f"granular offload plan: {s.dtype}, ZeRO stage {s.zero_stage}, data-parallel {s.dp_size}, "
-            f"budget {format_bytes(plan.budget_bytes) if plan.budget_bytes is not None else 'none (explicit levels)'}")
+            f"gradient accumulation {s.gradient_accumulation_steps}, budget {budget}")
     rows = [("groups", "level", "params each", "device each", "host each", "moved/step each")]
     runs: List[List[GroupPlacement]] = []
     for p in plan.placements:
@@ -584,15 +619,17 @@ def describe_plan(plan: OffloadPlan) -> str:
         f"(reserved {format_bytes(s.reserved_bytes)}, {plan.side_streams} side stream pools "
         f"{format_bytes(plan.stream_pool_bytes)}; backward: activations {format_bytes(s.activation_bytes)}, "
         f"prefetch buffer {format_bytes(plan.prefetch_buffer_bytes)}, streamed gradients "
-        f"{format_bytes(plan.streamed_gradient_bytes)}, reduce bucket {format_bytes(s.reduce_bucket_bytes)}; "
-        f"step: flat gradients {format_bytes(plan.flat_gradient_bytes)})",
+        f"{format_bytes(plan.streamed_gradient_bytes)}, reduce bucket {format_bytes(s.reduce_bucket_bytes)}"
+        + (f", accumulated gradients {format_bytes(plan.accumulated_gradient_bytes)}"
+           if plan.accumulated_gradient_bytes else "")
+        + f"; step: flat gradients {format_bytes(plan.flat_gradient_bytes)})",
         f"host per rank {format_bytes(plan.host_allocated_bytes)} ({plan.host_allocated_bytes} B): tensors "
         f"{format_bytes(plan.host_bytes)}"
         + (f", pinned rounding +{format_bytes(rounding)} (+{100 * rounding / plan.host_bytes:.1f} %)"
            if plan.host_bytes and s.pinned_host else "")
         + ("" if s.host_memory_bytes is None else f"; host_memory {format_bytes(s.host_memory_bytes)}"),
-        f"moved per step {format_bytes(plan.moved_bytes_per_step)}; modelled offload time per step "
-        f"{plan.offload_seconds_per_step:.3g} s = PCIe {plan.transfer_seconds:.3g} s (at "
+        f"moved per optimizer step {format_bytes(plan.moved_bytes_per_step)}; modelled offload time per optimizer "
+        f"step {plan.offload_seconds_per_step:.3g} s = PCIe {plan.transfer_seconds:.3g} s (at "
         f"{s.pcie_bytes_per_s / 1e9:g} GB/s) + host Adam {plan.host_adam_seconds:.3g} s "
         f"({plan.host_stepped_numel:,} params at {s.cpu_adam_params_per_s:.3g}/s)",
     ]

@@ -254,8 +254,8 @@ def test_modelled_step_time_from_pcie_and_cpu_adam():
     plan = place(GROUPS, {"layer2": L.HOST_OPTIMIZER, "layer3": L.HOST_PARAMS}, setup)
     assert (plan.moved_bytes_per_step, plan.host_stepped_numel) == (20000, 2000)
     assert (plan.transfer_seconds, plan.host_adam_seconds, plan.offload_seconds_per_step) == (2.0, 4.0, 6.0)
-    assert "modelled offload time per step 6 s = PCIe 2 s (at 1e-05 GB/s) + host Adam 4 s (2,000 params at 500/s)" \
-        in describe_plan(plan)
+    assert ("modelled offload time per optimizer step 6 s = PCIe 2 s (at 1e-05 GB/s) + host Adam 4 s (2,000 params "
+            "at 500/s)") in describe_plan(plan)
     # ZeRO 2 over 4 ranks: the host steps its partition (252 of 1001) at host_optimizer, all 1001 outside DeepSpeed
     zero2 = TrainingSetup("bf16", 2, 4, cpu_adam_params_per_s=1e3)
     groups = [GroupSize("layer0", 1001, 0), GroupSize("layer1", 1001, 1), GroupSize("other", 10)]
