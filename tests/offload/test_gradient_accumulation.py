@@ -1,6 +1,7 @@
 """Gradient accumulation under granular offload: with 4 micro-batches per step every level gives the weights the
-same model gets with every layer on the device (bit for bit: same Adam kernel, no clipping), at ZeRO 0/1/2; and
-4 micro-batches of 2 differ from one batch of 8 only by the summation order (the all-device run's own gap)."""
+same model gets with every layer on the device (bit for bit: same Adam kernel, no clipping), at ZeRO 0/1/2, moving
+the bytes per optimizer step the plan predicts; and 4 micro-batches of 2 differ from one batch of 8 only by the
+summation order (the all-device run's own gap)."""
 import os
 import sys
 
@@ -16,6 +17,11 @@ from ds_pseudo_real.offload import attach_to_engine, build_offload_optimizer  # 
 BATCH, STEPS = 8, 3
 
 
+def moved_bytes(optimizer):
+    """Bytes the offload has copied between host and device: the optimizer's copies and the parameter fetches."""
+    return optimizer.moved_bytes + (optimizer.host_params.fetched_bytes if optimizer.host_params else 0)
+
+
 def weights_after(stage, level, accumulation):
     torch.manual_seed(0)
     model = TinyLM()
@@ -24,16 +30,21 @@ def weights_after(stage, level, accumulation):
            "steps_per_print": 10**6, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
            "granular_offload": {"levels": {str(i): level for i in range(4)}}}
-    optimizer, patched, _ = build_offload_optimizer(model, cfg, "layers", 1)
+    optimizer, patched, plan = build_offload_optimizer(model, cfg, "layers", 1)
+    assert plan.setup.gradient_accumulation_steps == accumulation
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
     attach_to_engine(engine)
     for step in range(STEPS):
+        before = moved_bytes(optimizer)
         x, y = batch(step, 0, size=BATCH)
         for m in range(accumulation):
             part = slice(m * micro, (m + 1) * micro)
             engine.backward(engine(x[part], y[part]))
             engine.step()
     assert engine.global_steps == STEPS
+    # the last step's copies: fetches in every micro-batch's forward and backward, streamed gradients (ZeRO 1/2)
+    # every micro-batch, the rest once
+    assert moved_bytes(optimizer) - before == plan.moved_bytes_per_step, level
     weights = torch.cat([p.detach().float().flatten() for p in engine.module.parameters()])
     engine.destroy()
     return weights
