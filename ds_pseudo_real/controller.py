@@ -254,6 +254,8 @@ class PseudoToRealController:
             mpu=self._mpu,
             config=ds_config,
         )
+        # the transition reads and writes this engine's optimizer state; save_checkpoint wraps its checkpoint engine
+        ds_state.check_internals(engine, *(["pseudo_to_real"] if self.config.enabled else []), "save_checkpoint")
         if self.offload_plan is not None:
             from .offload import attach_to_engine
 

@@ -1,6 +1,7 @@
 """Reading and writing a DeepSpeed engine's full fp32 weights and Adam state, for every ZeRO stage.
 
-Owns every use of DeepSpeed internals by the plugin (written against DeepSpeed 0.19.8): ``safe_get/set_full_*``
+Owns every use of DeepSpeed internals by the plugin (written against DeepSpeed 0.19.8), listed by feature in
+:data:`DEEPSPEED_INTERNALS` and checked on each engine as it is built (:func:`check_internals`): ``safe_get/set_full_*``
 for ZeRO 1-3 and the bf16 optimizer, direct access for the plain fp32 optimizer of ZeRO stage 0, seeding the
 lazily created optimizer state so moments can be set before the first step, the per-rank byte accounting, and
 folding the norm of gradients DeepSpeed does not hold (granular offload's own groups) into its global gradient
@@ -30,6 +31,50 @@ from deepspeed.utils import (
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 # The releases this module's uses of DeepSpeed and torch internals were written and tested against: [low, high).
 SUPPORTED_VERSIONS = {"deepspeed": ("0.19.0", "0.20.0"), "torch": ("2.4.0", "2.15.0")}
+# The DeepSpeed internals each feature of the plugin reads or wraps (DeepSpeed 0.19.8), by where they live: the
+# engine, a module, the checkpoint engine it saves through, the CPU Adam object whose kernel granular offload calls,
+# and under "engine.optimizer" the class of ``engine.optimizer`` (matched by name along its MRO), where
+# "parameters.<name>" is an attribute the model's parameters get under that optimizer. An engine whose optimizer is
+# none of a feature's classes is refused: the plugin does not know where it keeps its state. Checked when the engine
+# is built by :func:`check_internals` (:func:`check_cpu_adam` for the CPU Adam object).
+OPTIMIZER_AS_GIVEN = "the torch optimizer as given"  # ZeRO 0 in fp32: the engine steps the optimizer it was given
+_FLAT_FRAGMENTS = ("_lazy_init_hp_params_optimizer_state", "_hp_optimizer_states_linked", "parameters._hp_mapping")
+DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
+    "pseudo_to_real": {  # full weights and moments read and written at a transition, the byte report, the counters
+        "DeepSpeedEngine": ("global_steps", "global_samples", "micro_steps", "skipped_steps", "monitor",
+                            "get_data_types", "destroy"),
+        "engine.optimizer": {
+            "DeepSpeedZeroOptimizer": _FLAT_FRAGMENTS,
+            "BF16_Optimizer": _FLAT_FRAGMENTS,
+            "DeepSpeedZeroOptimizer_Stage3": ("fp32_partitioned_groups_flat", "sub_group_to_group_id",
+                                              "parameters.ds_id", "parameters.ds_tensor", "parameters.ds_numel"),
+            "FP16_UnfusedOptimizer": ("fp16_groups", "fp32_groups"),
+            OPTIMIZER_AS_GIVEN: (),
+        },
+    },
+    "save_checkpoint": {  # every file checksummed as DeepSpeed writes it
+        "DeepSpeedEngine": ("checkpoint_engine",),
+        "TorchCheckpointEngine": ("save", "zipfile_serialization"),
+    },
+    "granular_offload": {  # its own groups (host_params outside DeepSpeed's optimizer): norm, overflow, zero_grad
+        "DeepSpeedEngine": ("communication_data_type",),
+        "deepspeed.utils.groups": ("_get_data_parallel_group", "_get_expert_data_parallel_group"),
+        "DeepSpeedCPUAdam": ("ds_opt_adam.adam_update", "opt_id"),
+        "engine.optimizer": {
+            "DeepSpeedZeroOptimizer": ("scaled_global_norm", "_global_grad_norm", "loss_scale", "zero_grad"),
+            "BF16_Optimizer": ("get_grads_for_norm", "bf16_groups", "_global_grad_norm", "zero_grad"),
+            "FP16_UnfusedOptimizer": ("unscale_and_clip_grads", "fp32_groups", "overflow_checker.check",
+                                      "loss_scale_config.cur_scale", "_global_grad_norm", "zero_grad",
+                                      "initialize_optimizer_states"),
+            OPTIMIZER_AS_GIVEN: (),  # fp32 ZeRO 0 has no own groups
+        },
+    },
+    "granular_offload host_params": {  # the model broadcast at initialize, through the device under NCCL
+        "DeepSpeedEngine": ("_broadcast_model",),
+        "deepspeed.comm": ("broadcast",),
+    },
+}
+_PARAMETERS = "parameters."
 
 
 def check_versions(feature: str) -> None:
@@ -43,6 +88,88 @@ def check_versions(feature: str) -> None:
         if not Version(low) <= Version(Version(found).base_version) < Version(high):
             raise RuntimeError(f"{feature} was written against {name} >={low},<{high}; found {name} {found}. "
                                f"Install a supported release (pip install '{name}>={low},<{high}')")
+
+
+def _missing_internal(feature: str, what: str, problem: str) -> RuntimeError:
+    import deepspeed
+
+    low, high = SUPPORTED_VERSIONS["deepspeed"]
+    return RuntimeError(f"{feature} uses {what}, which this DeepSpeed {problem} (found deepspeed "
+                        f"{deepspeed.__version__}; the plugin was written against deepspeed >={low},<{high}). Install "
+                        f"a supported release (pip install 'deepspeed>={low},<{high}')")
+
+
+def _has_path(owner, path: str) -> bool:
+    for name in path.split("."):
+        if not hasattr(owner, name):
+            return False
+        owner = getattr(owner, name)
+    return True
+
+
+def _check_places(feature: str, places: Dict[str, Any]) -> None:
+    """Check the entries of ``feature`` for the ``places`` given (name -> object) and its modules; entries for places
+    not given (another checkpoint engine, the CPU Adam object of :func:`check_cpu_adam`) are not this call's."""
+    import importlib
+
+    for where, paths in DEEPSPEED_INTERNALS[feature].items():
+        if where.startswith("deepspeed."):
+            try:
+                owner = importlib.import_module(where)
+            except ImportError:
+                raise _missing_internal(feature, where, "does not have") from None
+        elif where in places:
+            owner = places[where]
+        else:
+            continue
+        for path in paths:
+            if not _has_path(owner, path):
+                raise _missing_internal(feature, f"{where}.{path}", "does not have")
+
+
+def check_internals(engine, *features: str) -> None:
+    """Refuse, when ``engine`` is built, what ``features`` (keys of :data:`DEEPSPEED_INTERNALS`) would get wrong: an
+    internal they use that this DeepSpeed does not have, or an optimizer class whose state they do not know. Either
+    would fail obscurely mid-run or train silently wrongly (a ``copy`` of the moments becoming a ``reset``). The
+    RuntimeError names the attribute (``DeepSpeedZeroOptimizer.scaled_global_norm``) or the class, the DeepSpeed
+    release found and the supported range."""
+    optimizer = engine.optimizer
+    places = {}
+    for instance in (getattr(engine, "checkpoint_engine", None), engine):
+        places.update({cls.__name__: instance for cls in type(instance).__mro__})
+    for feature in features:
+        _check_places(feature, places)
+        wrappers = DEEPSPEED_INTERNALS[feature].get("engine.optimizer", {})
+        if not wrappers:
+            continue
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed's wrappers are not
+            wrapper = OPTIMIZER_AS_GIVEN
+        else:
+            wrapper = next((cls.__name__ for cls in type(optimizer).__mro__ if cls.__name__ in wrappers), None)
+        if wrapper is None:
+            import deepspeed
+
+            known = sorted(set(wrappers) - {OPTIMIZER_AS_GIVEN})
+            raise RuntimeError(
+                f"{feature} was written for engines whose optimizer is one of {known} or {OPTIMIZER_AS_GIVEN}; "
+                f"this engine's is {type(optimizer).__name__} (ZeRO stage {engine.zero_optimization_stage()}, "
+                f"deepspeed {deepspeed.__version__}), whose internals it does not know. At ZeRO stage 0 in bf16 or "
+                f"fp16, a torch optimizer (optimizer.params.torch_adam: true, or a client optimizer) gives "
+                f"FP16_UnfusedOptimizer where DeepSpeed's fused Adam gives FP16_Optimizer")
+        for path in wrappers[wrapper]:
+            if path.startswith(_PARAMETERS):
+                name = path[len(_PARAMETERS):]
+                if not any(hasattr(p, name) for p in engine.module.parameters()):
+                    raise _missing_internal(feature, f"Parameter.{name} (under {wrapper})",
+                                            "sets on no parameter of the model")
+            elif not _has_path(optimizer, path):
+                raise _missing_internal(feature, f"{wrapper}.{path}", "does not have")
+
+
+def check_cpu_adam(cpu_adam, feature: str = "granular_offload") -> None:
+    """:func:`check_internals` for the ``DeepSpeedCPUAdam`` whose kernel ``feature`` calls directly
+    (``ds_opt_adam.adam_update(opt_id, ...)``)."""
+    _check_places(feature, {"DeepSpeedCPUAdam": cpu_adam})
 
 
 def basic_optimizer(engine) -> Optional[torch.optim.Optimizer]:
@@ -387,9 +514,7 @@ def route_host_broadcasts() -> None:
 
     if "_broadcast_model" in _UNROUTED:
         return
-    if not callable(getattr(DeepSpeedEngine, "_broadcast_model", None)):
-        raise RuntimeError("granular_offload host_params: DeepSpeedEngine._broadcast_model not found in this "
-                           "DeepSpeed; it was written against 0.19.8, whose engine broadcasts the model there")
+    _check_places("granular_offload host_params", {"DeepSpeedEngine": DeepSpeedEngine})
     _UNROUTED["_broadcast_model"] = DeepSpeedEngine._broadcast_model
     DeepSpeedEngine._broadcast_model = _broadcast_model_through_device
 
