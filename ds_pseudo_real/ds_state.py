@@ -227,23 +227,33 @@ def full_fp32_param(engine, param: torch.nn.Parameter) -> torch.Tensor:
 
 
 def full_moments(engine, param: torch.nn.Parameter, name: str = "") -> Optional[Dict[str, torch.Tensor]]:
-    """``exp_avg``/``exp_avg_sq`` of ``param`` (full, fp32, CPU), or None before the optimizer's first step. After
-    it, a moment DeepSpeed cannot give is an error naming the parameter (never a silent ``reset``)."""
+    """``exp_avg``/``exp_avg_sq`` of ``param`` (full, fp32, CPU), or None when it has none yet: it is frozen, or
+    its optimizer has not stepped it. Moments its optimizer should hold but that cannot be read (DeepSpeed failing
+    after the first step, a state without Adam moments) are a RuntimeError naming the parameter, never a silent
+    ``reset``."""
+    what = name or "a parameter"
+    if not param.requires_grad:
+        return None
     if _is_managed(param):
         try:
             values = {k: safe_get_full_optimizer_state(param, k) for k in MOMENT_KEYS}
-        except (KeyError, TypeError) as error:
+        except (KeyError, TypeError, ValueError) as error:
             if not basic_optimizer(engine).state:
                 return None  # no state yet: DeepSpeed creates and links it at this optimizer's first step
-            raise RuntimeError(f"cannot read the Adam moments of {name or 'a parameter'} from DeepSpeed, whose "
-                               f"optimizer has stepped ({type(error).__name__}: {error}); the delink would silently "
-                               f"reset them") from error
-        if any(v is None for v in values.values()):
-            return None
+            raise RuntimeError(f"cannot read the Adam moments of {what} from DeepSpeed, whose optimizer has stepped "
+                               f"({type(error).__name__}: {error}); the delink would silently reset them") from error
+        missing = [k for k, v in values.items() if v is None]
+        if missing:
+            raise RuntimeError(f"cannot read the Adam moments of {what}: DeepSpeed gives no {missing} for this "
+                               f"trainable parameter; the delink would silently reset them")
         return {k: v.detach().float().cpu().clone() for k, v in values.items()}
     state = _optimizer_state(engine, _master(engine, param))
-    if not all(k in state for k in MOMENT_KEYS):
+    if not state:
         return None
+    if not all(k in state for k in MOMENT_KEYS):
+        raise RuntimeError(f"cannot read the Adam moments of {what}: its optimizer state holds {sorted(state)}, not "
+                           f"{list(MOMENT_KEYS)}; pseudo_to_real.optimizer_state 'copy' and 'scale' carry Adam "
+                           f"moments, accepted with this optimizer: 'reset'")
     return {k: state[k].detach().float().cpu().clone() for k in MOMENT_KEYS}
 
 

@@ -1,5 +1,6 @@
 """The DeepSpeed internals the plugin reaches into are checked when the engine is built: a release where one moved
-fails at initialize naming it (simulated by deleting it), never later or silently."""
+fails at initialize naming it (simulated by deleting it), never later or silently. A moment the delink cannot read
+is an error naming the parameter, never a silent ``reset``."""
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import ds_pseudo_real
 from ds_pseudo_real import ds_state
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-from delink_matrix import config, tiny_gpt  # noqa: E402
+from delink_matrix import config, fixed_batch, tiny_gpt  # noqa: E402
 
 SUPPORTED = "deepspeed >={},<{}".format(*ds_state.SUPPORTED_VERSIONS["deepspeed"])
 
@@ -103,3 +104,17 @@ def test_the_cpu_adam_kernel_entry_points_are_checked(monkeypatch, target, attri
     monkeypatch.delattr(cpu_adam.ds_opt_adam if target == "kernel" else cpu_adam, attribute)
     with pytest.raises(RuntimeError, match=f"granular_offload uses {named}, which this DeepSpeed"):
         ds_state.check_cpu_adam(cpu_adam, "granular_offload")
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_copying_moments_an_optimizer_does_not_keep_fails_naming_the_parameter(stage):
+    """SGD with momentum keeps no Adam moments: ``copy`` must not silently start the real model's from zero."""
+    cfg = {**config(stage, "fp32", "copy", switch=1), "zero_allow_untested_optimizer": True}
+    cfg.pop("optimizer")
+    engine, *_ = ds_pseudo_real.initialize(
+        model=tiny_gpt(), config=cfg, optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    loss = engine(*fixed_batch(1))
+    engine.backward(loss)
+    with pytest.raises(RuntimeError, match="cannot read the Adam moments of [a-z_.0-9]+weight"):
+        engine.step()
+    assert engine.stage == "pseudo"
