@@ -276,6 +276,9 @@ class PseudoToRealController:
         sizes = {
             "tensor parallel (mpu)": getattr(mpu, "get_tensor_model_parallel_world_size", lambda: 1)(),
             "pipeline parallel (mpu)": getattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 1)(),
+            # the mpu interface DeepSpeed documents (Megatron-DeepSpeed's) and its pipeline grid name them so
+            "model parallel (mpu)": getattr(mpu, "get_model_parallel_world_size", lambda: 1)(),
+            "pipeline parallel (mpu grid)": getattr(mpu, "get_pipe_parallel_world_size", lambda: 1)(),
             "tensor_parallel.autotp_size": (config.get("tensor_parallel") or {}).get("autotp_size", 1),
             "sequence_parallel_size": config.get("sequence_parallel_size", 1),
         }
