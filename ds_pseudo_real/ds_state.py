@@ -62,7 +62,8 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
         "DeepSpeedCPUAdam": ("ds_opt_adam.adam_update", "opt_id"),
         "engine.optimizer": {
             "DeepSpeedZeroOptimizer": ("scaled_global_norm", "_global_grad_norm", "loss_scale", "zero_grad"),
-            "BF16_Optimizer": ("get_grads_for_norm", "bf16_groups", "_global_grad_norm", "zero_grad"),
+            # and its _global_grad_norm, which it sets at its first step only
+            "BF16_Optimizer": ("get_grads_for_norm", "bf16_groups", "zero_grad"),
             "FP16_UnfusedOptimizer": ("unscale_and_clip_grads", "fp32_groups", "overflow_checker.check",
                                       "loss_scale_config.cur_scale", "_global_grad_norm", "zero_grad",
                                       "initialize_optimizer_states"),

@@ -30,6 +30,22 @@ def engine_of(stage, dtype="fp32", **extra):
     return engine
 
 
+@pytest.mark.parametrize("stage, dtype, extra, optimizer", [
+    (0, "fp32", {}, "AdamW"),
+    (0, "bf16", {}, "FP16_UnfusedOptimizer"),
+    (1, "bf16", {"data_types": {"grad_accum_dtype": "fp32"}}, "BF16_Optimizer"),
+    (2, "bf16", {}, "DeepSpeedZeroOptimizer"),
+    (3, "bf16", {}, "DeepSpeedZeroOptimizer_Stage3"),
+])
+def test_every_engine_the_plugin_supports_has_the_internals_it_uses(stage, dtype, extra, optimizer):
+    """Checked right after initialize: an attribute DeepSpeed sets later (BF16_Optimizer's _global_grad_norm, at its
+    first step) must not be required."""
+    engine = engine_of(stage, dtype, **extra).engine
+    assert type(engine.optimizer).__name__ == optimizer
+    features = ["pseudo_to_real", "save_checkpoint", "granular_offload host_params"]
+    ds_state.check_internals(engine, *features, *(["granular_offload"] if stage < 3 else []))
+
+
 @pytest.mark.parametrize("owners, attribute, stage", [
     ((DeepSpeedZeroOptimizer,), "_lazy_init_hp_params_optimizer_state", 1),
     ((DeepSpeedEngine,), "destroy", 0),
