@@ -1,19 +1,20 @@
-"""Host-resident working parameters for the ``host_params`` level: module hooks that fetch a layer's parameters
-to the device just before its forward and its backward (prefetching the next layer) and release them after.
+"""Host-resident working parameters for the ``host_params`` level: each layer using them has an explicit
+:class:`Residency` (on host, fetching, on device, released), changed only by :meth:`HostParamStore._transition`,
+driven by the layer's pre/post forward and backward hooks, an end-of-backward callback and the optimizer step.
 
 Owns: the host copy of each such parameter (in fp32 also the optimizer's master) and the device buffers.
 Must not step or plan. Written against torch 2.x module hooks and DeepSpeed 0.19.8, which leaves the Parameters it
 does not optimize as they are: under ZeRO 1/2 and the bf16 optimizer these layers' parameters are kept out of
 DeepSpeed's optimizer (``GranularOffloadOptimizer`` own groups); fp32 ZeRO 0 never flattens them.
 
-Between uses ``p.data`` is the host tensor, so ``state_dict``, ``load_state_dict`` and DeepSpeed's initial
-broadcast read and write the host copy. Autograd saves a leaf Parameter itself, not its storage, so re-fetching
-before the backward gives the layer's backward the same values it ran forward with. Activation checkpointing
-(reentrant or not) recomputes a layer's forward inside the backward: see the hooks below. At most two layers are
-fetched at any time: the one in use and the next one (prefetched).
+Outside ``ON_DEVICE`` a layer's ``p.data`` is the host tensor, so ``state_dict``, ``load_state_dict`` and
+DeepSpeed's initial broadcast read and write the host copy. Autograd saves a leaf Parameter itself, not its storage,
+so re-fetching before the backward gives the layer's backward the same values it ran forward with. At most two
+layers are fetched at any time: the one in use and the next one (prefetched).
 """
 from __future__ import annotations
 
+import enum
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -22,16 +23,55 @@ from torch import nn
 from ds_pseudo_real.sharing import get_layer_list
 
 
+class Residency(str, enum.Enum):
+    """Where a layer's host parameters are, as the forward and backward see them."""
+
+    ON_HOST = "on host"  # not fetched since the last optimizer step: p.data is the host tensor
+    FETCHING = "fetching"  # a device copy is issued (prefetched); p.data is still the host tensor
+    ON_DEVICE = "on device"  # p.data is the device copy; the layer's forward, recompute or backward runs
+    RELEASED = "released"  # fetched and dropped since the last step: p.data is the host tensor again
+
+
+FETCHED = (Residency.FETCHING, Residency.ON_DEVICE)
+# The transitions the hooks may take; anything else is a bug in the hooks and raises.
+_ALLOWED = {
+    Residency.ON_HOST: {Residency.FETCHING},
+    Residency.RELEASED: {Residency.FETCHING, Residency.ON_HOST},
+    Residency.FETCHING: {Residency.ON_DEVICE, Residency.RELEASED},
+    Residency.ON_DEVICE: {Residency.RELEASED},
+}
+
+
+# torch internals the hooks rely on (torch 2.x): which backward runs, and a callback at its end
+TORCH_INTERNALS = (("torch._C", torch._C, "_current_graph_task_id"),
+                   ("torch.autograd.Variable._execution_engine", torch.autograd.Variable._execution_engine,
+                    "queue_callback"))
+
+
+def check_torch_internals() -> None:
+    """Refuse to place layers at host_params on a torch without the internals the hooks use, naming the missing
+    one: without them a recompute inside the backward would read weights from before the step."""
+    for owner, target, name in TORCH_INTERNALS:
+        if not hasattr(target, name):
+            raise RuntimeError(f"granular_offload host_params needs {owner}.{name}, which torch {torch.__version__} "
+                               f"does not have; install a torch within ds_state.SUPPORTED_VERSIONS")
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward on this thread (torch 2.x)."""
     return torch._C._current_graph_task_id() != -1
 
 
 class HostParamStore:
-    """Keeps the parameters in ``host_param_lists`` on the host and serves them to the layers that use them."""
+    """Keeps the parameters in ``host_param_lists`` on the host and serves them to the layers that use them.
+
+    ``trace=True`` records every transition as ``(layer, old state, new state)`` in :attr:`transitions`.
+    """
 
     def __init__(self, model: nn.Module, layer_path: str, host_param_lists: Sequence[Sequence[nn.Parameter]],
-                 prefetch: bool = True, pin_memory: bool = True, device: Optional[torch.device] = None):
+                 prefetch: bool = True, pin_memory: bool = True, device: Optional[torch.device] = None,
+                 trace: bool = False):
+        check_torch_internals()
         wanted = {id(p) for params in host_param_lists for p in params}
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                  else torch.device("cpu"))
@@ -54,7 +94,9 @@ class HostParamStore:
                     host.copy_(p.detach())
                     self._host[p] = host
                     p.data = host
-        self._buffers: Dict[int, tuple] = {}  # entry -> (device tensors, ready event or None)
+        self.state: List[Residency] = [Residency.ON_HOST] * len(self._entries)
+        self._buffers: Dict[int, tuple] = {}  # layer -> (device tensors, copy-done event or None); only when FETCHED
+        self.transitions: Optional[List[tuple]] = [] if trace else None
         self.fetched_bytes = 0  # since construction
         self.buffered_bytes = 0
         self.peak_buffered_bytes = 0
@@ -71,6 +113,115 @@ class HostParamStore:
                 module.register_full_backward_hook(lambda m, gi, go, k=k: self._after_backward(k, gi)),
             ]
 
+    # ----- the one place residency changes -------------------------------------------------------------------
+    def _transition(self, k: int, new: Residency) -> None:
+        old = self.state[k]
+        if new not in _ALLOWED[old]:
+            raise RuntimeError(f"host_params layer {k}: {old.value} -> {new.value} is not a residency transition")
+        params = self._entries[k]
+        if new is Residency.FETCHING:
+            self._buffers[k] = self._copy_to_device(params)
+        elif new is Residency.ON_DEVICE:
+            tensors, event = self._buffers[k]
+            if event is not None:
+                torch.cuda.current_stream().wait_event(event)
+                for t in tensors:
+                    t.record_stream(torch.cuda.current_stream())  # allocated on the copy stream, used on this one
+            for p, t in zip(params, tensors):
+                p.data = t
+        elif new is Residency.RELEASED:
+            tensors, _ = self._buffers.pop(k)
+            self.buffered_bytes -= sum(t.numel() * t.element_size() for t in tensors)
+            for p in params:
+                p.data = self._host[p]
+        self.state[k] = new
+        if self.transitions is not None:
+            self.transitions.append((k, old, new))
+
+    def _copy_to_device(self, params: List[nn.Parameter]) -> tuple:
+        """Issue the copy of a layer's host params to the device (on the side stream on CUDA: it overlaps the
+        running layer), after taking back whatever replaced them since the last release."""
+        self._adopt(params)
+        event = None
+        if self._cuda:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                tensors = [self._host[p].to(self.device, non_blocking=True) for p in params]
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        else:
+            tensors = [self._host[p].clone() for p in params]  # the same path with the device being the CPU
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        self.fetched_bytes += size
+        self.buffered_bytes += size
+        self.peak_buffered_bytes = max(self.peak_buffered_bytes, self.buffered_bytes)
+        return tensors, event
+
+    # ----- what the hooks ask for ----------------------------------------------------------------------------
+    def _fetch(self, k: int) -> None:
+        if 0 <= k < len(self._entries) and self.state[k] not in FETCHED:
+            self._transition(k, Residency.FETCHING)
+
+    def _use(self, k: int, then: int) -> None:
+        self._fetch(k)
+        if self.state[k] is Residency.FETCHING:
+            self._transition(k, Residency.ON_DEVICE)
+        if self.prefetch:
+            self._fetch(then)
+
+    def _release(self, k: int) -> None:
+        if self.state[k] in FETCHED:
+            self._transition(k, Residency.RELEASED)
+
+    def release_all(self) -> None:
+        """Drop every device copy and mark every layer ``ON_HOST``: called before the optimizer writes the host
+        params, so that no copy fetched before the step (a prefetch the backward never used) reaches the next
+        forward with the old values."""
+        for k in range(len(self._entries)):
+            self._release(k)
+            if self.state[k] is Residency.RELEASED:
+                self._transition(k, Residency.ON_HOST)
+
+    # The hooks. A forward inside a backward is activation checkpointing's recompute: the layer's backward follows
+    # at once (so it stays on the device) and the next layer to need its parameters is the one before it.
+    def _before_forward(self, k: int) -> None:
+        if _in_backward():
+            self._queue_end_of_backward()
+            self._use(k, k - 1)
+        else:
+            self._use(k, k + 1)
+
+    def _after_forward(self, k: int) -> None:
+        if not _in_backward():
+            self._release(k)
+
+    def _before_backward(self, k: int) -> None:
+        self._queue_end_of_backward()
+        self._use(k, k - 1)
+
+    def _after_backward(self, k: int, grad_input) -> None:
+        # With no input gradient to compute (frozen embeddings before the first layer) torch 2.x fires the full
+        # backward hook at once, before the layer's backward has run (grad_input all None): not released here then.
+        if any(g is not None for g in grad_input):
+            self._release(k)
+
+    def _queue_end_of_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._end_of_backward_queued_for != task:
+            self._end_of_backward_queued_for = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """End of a backward's graph task: release the layers a recompute or a frozen-input layer left on the
+        device. A layer prefetched for a backward still to come stays ``FETCHING``: reentrant checkpointing runs
+        each layer's recompute and backward as a graph task of its own, nested in the whole backward, whose next
+        task uses the prefetched layer; :meth:`release_all` at the step drops one the backward never used."""
+        self._end_of_backward_queued_for = None
+        for k, state in enumerate(self.state):
+            if state is Residency.ON_DEVICE:
+                self._release(k)
+
+    # ----- host copies ---------------------------------------------------------------------------------------
     def _convert_on_host(self, module: nn.Module) -> None:
         """Conversions of the model (``Module._apply``: the engine's ``.to(device)``, a dtype cast) reach this
         layer's host params one at a time and leave them on the host, converted: the device never holds the
@@ -120,82 +271,9 @@ class HostParamStore:
         for params in self._entries:
             self._adopt(params)
 
-    def _fetch(self, k: int) -> None:
-        if k in self._buffers or not 0 <= k < len(self._entries):
-            return
-        params = self._entries[k]
-        self._adopt(params)
-        event = None
-        if self._cuda:
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                tensors = [self._host[p].to(self.device, non_blocking=True) for p in params]
-                event = torch.cuda.Event()
-                event.record(self._stream)
-        else:
-            tensors = [self._host[p].clone() for p in params]  # the same path with the device being the CPU
-        size = sum(t.numel() * t.element_size() for t in tensors)
-        self.fetched_bytes += size
-        self.buffered_bytes += size
-        self.peak_buffered_bytes = max(self.peak_buffered_bytes, self.buffered_bytes)
-        self._buffers[k] = (tensors, event)
-
-    def _use(self, k: int, then: int) -> None:
-        self._fetch(k)
-        tensors, event = self._buffers[k]
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-            for t in tensors:
-                t.record_stream(torch.cuda.current_stream())  # allocated on the copy stream, used on this one
-        for p, t in zip(self._entries[k], tensors):
-            p.data = t
-        if self.prefetch:
-            self._fetch(then)
-
-    # The hooks. A forward that runs inside a backward is activation checkpointing's recompute: the layer's backward
-    # follows at once (so it stays fetched), the next layer to need its parameters is the one before it, and the
-    # end-of-backward callback releases whatever a recompute or a layer whose input needs no gradient left fetched,
-    # so that no buffer outlives the backward and reaches the next forward after the step.
-    def _before_forward(self, k: int) -> None:
-        if _in_backward():
-            self._queue_end_of_backward()
-            self._use(k, k - 1)
-        else:
-            self._use(k, k + 1)
-
-    def _after_forward(self, k: int) -> None:
-        if not _in_backward():
-            self._release(k)
-
-    def _before_backward(self, k: int) -> None:
-        self._queue_end_of_backward()
-        self._use(k, k - 1)
-
-    def _after_backward(self, k: int, grad_input) -> None:
-        # With no input gradient to compute (frozen embeddings before the first layer) torch 2.x fires the full
-        # backward hook at once, before the layer's backward has run (grad_input all None): not released here then.
-        if any(g is not None for g in grad_input):
-            self._release(k)
-
-    def _queue_end_of_backward(self) -> None:
-        task = torch._C._current_graph_task_id()
-        if self._end_of_backward_queued_for != task:
-            self._end_of_backward_queued_for = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
-    def _end_of_backward(self) -> None:
-        self._end_of_backward_queued_for = None
-        for k in list(self._buffers):
-            self._release(k)
-
-    def _release(self, k: int) -> None:
-        tensors, _ = self._buffers.pop(k, ((), None))
-        self.buffered_bytes -= sum(t.numel() * t.element_size() for t in tensors)
-        for p in self._entries[k]:
-            p.data = self._host[p]
-
     def remove(self) -> None:
         """Take the hooks off; the parameters stay on the host."""
+        self.release_all()
         for handle in self._handles:
             handle.remove()
         self._handles = []

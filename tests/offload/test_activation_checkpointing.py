@@ -57,8 +57,9 @@ def train(stage, dtype, mode, level):
     store = optimizer.host_params
     peak = store.peak_buffered_bytes if store is not None else None
     left = store.buffered_bytes if store is not None else None
+    fetched = store.fetched_bytes if store is not None else None
     engine.destroy()
-    return losses, peak, left
+    return losses, peak, left, fetched
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "non-reentrant", "deepspeed"])
@@ -67,9 +68,12 @@ def train(stage, dtype, mode, level):
 def test_host_params_layers_recompute_with_this_steps_weights(stage, dtype, mode):
     if mode == "deepspeed" and dtype == "bf16":
         pytest.skip("DeepSpeed's checkpointing is covered in fp32; torch's two kinds in both dtypes")
-    reference, _, _ = train(stage, dtype, mode, "device")
-    losses, peak, left = train(stage, dtype, mode, "host_params")
+    reference, *_ = train(stage, dtype, mode, "device")
+    losses, peak, left, fetched = train(stage, dtype, mode, "host_params")
     assert max(abs(a - b) for a, b in zip(reference, losses)) <= 1e-6, (reference, losses)
     width = 4 if dtype == "fp32" else 2
     assert peak == 2 * LAYER_PARAMS * width  # the layer in use and the one prefetched, never more
     assert left == 0  # nothing stays fetched across the optimizer step
+    # each layer fetched once for its forward and once for its recompute and backward: a layer prefetched during
+    # one reentrant recompute's graph task is used by the next one, not dropped and fetched again
+    assert fetched == STEPS * 2 * 4 * LAYER_PARAMS * width
