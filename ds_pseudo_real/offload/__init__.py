@@ -185,6 +185,7 @@ def attach_to_engine(engine) -> None:
     optimizer = ds_state.basic_optimizer(engine)
     if not isinstance(optimizer, GranularOffloadOptimizer):
         return
+    ds_state.check_internals(engine, "granular_offload")
     if optimizer.host_params is not None:
         optimizer.host_params.adopt_all()
     if optimizer.own_param_groups:

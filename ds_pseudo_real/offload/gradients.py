@@ -1,0 +1,208 @@
+"""Gradients of granular offload's own groups (host_params layers kept outside DeepSpeed's optimizer): averaged
+over the data-parallel ranks and copied to host buffers a layer at a time, accumulated there over micro-batches.
+
+Owns: the ready lists, the reductions and the device-to-host copies of those gradients, and what the host buffers
+hold this step. Must not step or plan. DeepSpeed's rule is followed (0.19.8 ZeRO ``average_tensor``): gradients are
+reduced in the engine's communication dtype, summed over the ranks holding the same parameters (for experts their
+expert-data-parallel group) and divided by the data-parallel size.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+
+import torch
+import torch.distributed as dist
+
+from ds_pseudo_real.offload.host_adam import HOST, HostAdam
+
+
+class _Flush:
+    """One group's gradients on their way to the host: the copies, their event and the staged micro-batch
+    gradients to add to the buffers once the copies are done."""
+
+    def __init__(self, params: List[torch.Tensor], event, staged: Dict[torch.Tensor, torch.Tensor]):
+        self.params, self.event, self.staged = params, event, staged
+
+
+class OwnGradients:
+    """The gradients of ``groups`` (own groups: lists of params with ``moe``/``name`` keys for experts).
+
+    With ``stream`` (ZeRO 1/2) a post-accumulate-grad hook on each param marks it ready; once every param of a
+    group is ready the group is flushed: one reduction of its gradients flattened together, one batch of copies to
+    the host on a side stream with one event, and the device gradients freed. What is not flushed by then (params
+    that got no gradient, a group split over graph tasks) is flushed at the end of the backward. Without ``stream``
+    (ZeRO 0, whose engine reduces every gradient itself) :meth:`collect` flushes every group at the step. The first
+    flush of a param in an optimizer step copies into its host buffer; later ones (gradient accumulation, a shared
+    layer set run in several graph tasks) are staged and added when waited for.
+    """
+
+    def __init__(self, groups: Sequence[Dict[str, Any]], host: HostAdam, stream: bool):
+        self.groups = list(groups)
+        self.host = host
+        self._group_of = {p: g for g in self.groups for p in g["params"]}
+        self.reduce_group = None  # DeepSpeed's data-parallel group (``attach_to_engine``); None: the world
+        self.communication_dtype: Optional[torch.dtype] = None  # the engine's, set by ``attach_to_engine``
+        self.received: Set[torch.Tensor] = set()  # params whose host buffer holds a gradient this step
+        self.peak_device_bytes = 0  # the most gradient bytes one flush held on the device
+        self._ready: Dict[int, List[torch.Tensor]] = {}  # group index -> params ready, not flushed
+        self._index = {id(g): i for i, g in enumerate(self.groups)}
+        self._in_flight: List[_Flush] = []
+        self._staging: Dict[torch.Tensor, torch.Tensor] = {}
+        self._end_queued_for: Optional[int] = None
+        self.moved: Callable[[Dict[str, Any], int], None] = lambda group, size: None
+        self._hooks = ([p.register_post_accumulate_grad_hook(self._on_accumulated) for p in self._group_of]
+                       if stream else [])
+
+    @property
+    def params(self):
+        return self._group_of.keys()
+
+    def group_of(self, p: torch.Tensor) -> Dict[str, Any]:
+        return self._group_of[p]
+
+    # ----- streaming -----------------------------------------------------------------------------------------
+    def _on_accumulated(self, p: torch.Tensor) -> None:
+        group = self._group_of[p]
+        ready = self._ready.setdefault(self._index[id(group)], [])
+        ready.append(p)
+        self._queue_end_of_backward()
+        if len(ready) == len(group["params"]):
+            self._flush(group, self._ready.pop(self._index[id(group)]), streamed=True)
+
+    def _queue_end_of_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._end_queued_for != task:
+            self._end_queued_for = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._end_queued_for = None
+        for index in sorted(self._ready):
+            self._flush(self.groups[index], self._ready.pop(index), streamed=True)
+
+    def collect(self) -> None:
+        """Without streaming: flush the gradients the engine left on the own params (already reduced)."""
+        if self._hooks:
+            return
+        for group in self.groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._flush(group, params, streamed=False)
+
+    @torch.no_grad()
+    def _flush(self, group: Dict[str, Any], params: List[torch.Tensor], streamed: bool) -> None:
+        """Copy ``params``' gradients to the host; ``streamed``: taken from autograd as it finished them, so
+        reduced here first (else the engine reduced them: ZeRO 0)."""
+        grads = [p.grad for p in params]
+        if streamed:
+            self.peak_device_bytes = max(self.peak_device_bytes, sum(g.numel() * g.element_size() for g in grads))
+            if dist.is_initialized() and dist.get_world_size(self.reduce_group) > 1:
+                grads = self._reduced(group, grads)
+        self._wait(params)  # a copy still writing these params' buffers or staging
+        cuda = grads[0].is_cuda
+        stream = self.host.to_host_stream
+        if cuda:
+            stream.wait_stream(torch.cuda.current_stream())
+        staged = {}
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            for p, grad in zip(params, grads):
+                if p in self.received:
+                    target = staged[p] = self._staging_buffer(p)
+                else:
+                    target = self.host.grad_buffer(p)
+                    self.received.add(p)
+                target.copy_(grad, non_blocking=cuda)
+                if cuda:
+                    grad.record_stream(stream)  # freed below, still read by the copy
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record(stream)
+        self._in_flight.append(_Flush(params, event, staged))
+        self.moved(group, sum(p.numel() * 4 for p in params))
+        for p in params:
+            p.grad = None
+
+    def _reduced(self, group: Dict[str, Any], grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The group's gradients summed over its sum group and divided by the data-parallel size, in the
+        communication dtype (DeepSpeed's rounding: bf16 runs reduce in bf16), in one flat all-reduce."""
+        dtype = self.communication_dtype or grads[0].dtype
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
+        sum_group = self.sum_group(group)
+        if dist.get_world_size(sum_group) > 1:
+            dist.all_reduce(flat, group=sum_group)
+        flat.div_(dist.get_world_size(self.reduce_group))
+        return [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in grads]), grads)]
+
+    def sum_group(self, group: Dict[str, Any]):
+        """The ranks a group's gradients are summed over: its expert-data-parallel group for MoE experts."""
+        if group.get("moe"):
+            from ds_pseudo_real.ds_state import expert_data_parallel_group
+
+            return expert_data_parallel_group(group["name"])
+        return self.reduce_group
+
+    def _staging_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        buffer = self._staging.get(p)
+        if buffer is None:
+            buffer = self._staging[p] = self.host.zeros(p)
+        return buffer
+
+    def _wait(self, params: Optional[List[torch.Tensor]] = None) -> None:
+        """Wait for the copies in flight (those touching ``params``, or all) and add their staged gradients."""
+        wanted = None if params is None else set(params)
+        keep = []
+        for flush in self._in_flight:
+            if wanted is not None and wanted.isdisjoint(flush.params):
+                keep.append(flush)
+                continue
+            if flush.event is not None:
+                flush.event.synchronize()
+            for p, staged in flush.staged.items():
+                self.host.grad_buffers[p].add_(staged)
+        self._in_flight = keep
+
+    # ----- at the step ---------------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Everything of this step on the host: gradients not flushed yet (without streaming) flushed, all copies
+        waited for, params that got no gradient given a zero one (DeepSpeed steps those with zeros too)."""
+        self.collect()
+        self._wait()
+        for p in self._group_of:
+            if p not in self.received:
+                self.host.grad_buffer(p).zero_()
+
+    def norm(self) -> torch.Tensor:
+        """L2 norm of this step's gradients (averaged over the ranks), fp32 on the host.
+
+        Experts count as DeepSpeed counts its expert groups: the squares of every rank's experts summed over the
+        data-parallel ranks (each expert once: divided by its expert-data-parallel replicas). A collective when
+        there are expert groups: call it on every rank."""
+        self.settle()
+        squares = {False: torch.zeros((), dtype=torch.float32), True: torch.zeros((), dtype=torch.float32)}
+        for p in (p for p in self._group_of if p in self.received):  # in model order: the sum is reproducible
+            group = self._group_of[p]
+            square = torch.linalg.vector_norm(self.host.grad_buffers[p]).pow(2)
+            if group.get("moe") and dist.is_initialized():
+                square = square / dist.get_world_size(self.sum_group(group))
+            squares[bool(group.get("moe"))] += square
+        if any(g.get("moe") for g in self.groups) and dist.is_initialized():
+            device = torch.device("cuda", torch.cuda.current_device()) if self.host.cuda else HOST
+            experts = squares[True].to(device)
+            dist.all_reduce(experts, group=self.reduce_group)
+            squares[True] = experts.to(HOST)
+        return (squares[False] + squares[True]).sqrt()
+
+    def drop(self) -> None:
+        """Forget this step's gradients, on the device and in the host buffers (after a step, or a skipped one)."""
+        for p in self._group_of:
+            p.grad = None
+        self._ready.clear()
+        self._wait()  # a copy still in flight would write a buffer after this
+        self.received.clear()
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

@@ -1,0 +1,228 @@
+"""The host side of an optimizer step: DeepSpeed's CPU Adam kernel over host fp32 masters, moments and gradient
+buffers, and the device<->host copies of what it steps, pipelined in bounded batches.
+
+Owns: the host masters (a separate fp32 copy, or the host params themselves at host_params in fp32), the host
+gradient buffers, the kernel instance and its bias-correction state, the copy streams. Must not hold param groups,
+plan, or touch the engine. Written against DeepSpeed 0.19.8's cpu_adam op (``ds_opt_adam.adam_update``, ``opt_id``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+from ds_pseudo_real import ds_state
+from ds_pseudo_real.offload.planner import PlacementLevel
+
+HOST = torch.device("cpu")
+# Elements per copy batch: big enough to keep PCIe busy, small enough that the host kernel on one batch runs while
+# the next batch is copied (ZeRO 1/2 hand over a layer as one flat partition, possibly of billions of elements).
+BATCH_NUMEL = 16 * 2**20
+HOST_PARAMS = PlacementLevel.HOST_PARAMS.value
+
+
+class Batch:
+    """Up to :data:`BATCH_NUMEL` elements of one group's params: ``pieces`` are ``(param, start, end)`` ranges of
+    each flattened param, copied to the host together and waited for once."""
+
+    def __init__(self, group: Dict[str, Any]):
+        self.group = group
+        self.pieces: List[Tuple[torch.Tensor, int, int]] = []
+        self.numel = 0
+        self.copied: Optional[Any] = None  # the event recorded after its copy to the host (CUDA)
+
+    def add(self, p: torch.Tensor, start: int, end: int) -> None:
+        self.pieces.append((p, start, end))
+        self.numel += end - start
+
+    @property
+    def name(self) -> str:
+        return str(self.group.get("placement"))
+
+
+def batches(groups: Sequence[Dict[str, Any]], batch_numel: int) -> List[Batch]:
+    """The params of ``groups`` that have a gradient, cut into batches of at most ``batch_numel`` elements, a
+    group's params never sharing a batch with another group's, in order."""
+    out = []
+    for group in groups:
+        batch = Batch(group)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            start = 0
+            while start < p.numel():
+                end = min(p.numel(), start + batch_numel - batch.numel)
+                batch.add(p, start, end)
+                start = end
+                if batch.numel == batch_numel:
+                    out.append(batch)
+                    batch = Batch(group)
+        if batch.pieces:
+            out.append(batch)
+    return out
+
+
+class HostAdam:
+    """Adam(W) on the host with DeepSpeed's CPU kernel, for the groups a plan steps there.
+
+    A step of param groups whose params (and gradients) may be on the device is two calls: :meth:`copy_gradients`
+    issues the copies of every batch of their gradients to host buffers at once (on a side stream on CUDA), and
+    :meth:`step_batches` waits for each batch in turn, steps it and copies its masters back to the params on a
+    second stream, so that the kernel on one batch overlaps the copies of the next ones and the host waits once per
+    batch, never per parameter. The caller queues device work between the two. ``trace`` (a list,
+    or None) records ``(operation, group placement)`` in the order they are issued.
+    """
+
+    def __init__(self, lr: float, betas, eps: float, weight_decay: float, adamw_mode: bool, bias_correction: bool,
+                 pin_memory: bool, host_params=None, batch_numel: int = BATCH_NUMEL):
+        self.cuda = torch.cuda.is_available()
+        self.pin = pin_memory and self.cuda
+        self.host_params = host_params
+        self.batch_numel = batch_numel
+        # The CPU Adam object only owns a kernel instance (opt_id, adamw mode); its own param list stays a dummy.
+        self._cpu_adam = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], lr=lr, betas=betas, eps=eps,
+                                          weight_decay=weight_decay, adamw_mode=adamw_mode,
+                                          bias_correction=bias_correction)
+        ds_state.check_cpu_adam(self._cpu_adam, "granular_offload")
+        self.to_host_stream = torch.cuda.Stream() if self.cuda else None
+        self.to_device_stream = torch.cuda.Stream() if self.cuda else None
+        self.masters: Dict[torch.Tensor, torch.Tensor] = {}
+        self.grad_buffers: Dict[torch.Tensor, torch.Tensor] = {}
+        self._stale_masters: set = set()
+        self.trace: Optional[List[Tuple[str, str]]] = None
+
+    def zeros(self, like: torch.Tensor) -> torch.Tensor:
+        """Host fp32 zeros shaped like ``like`` (pinned on CUDA)."""
+        return torch.zeros(like.shape, dtype=torch.float32, device=HOST, pin_memory=self.pin)
+
+    def grad_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        buffer = self.grad_buffers.get(p)
+        if buffer is None:
+            buffer = self.grad_buffers[p] = self.zeros(p)
+        return buffer
+
+    def _log(self, operation: str, batch: Batch) -> None:
+        if self.trace is not None:
+            self.trace.append((operation, batch.name))
+
+    # ----- masters -------------------------------------------------------------------------------------------
+    def master(self, p: torch.Tensor, level: str) -> torch.Tensor:
+        """The host fp32 master of ``p``: the host params themselves at host_params in fp32, else a host copy (of
+        the params, or of the bf16 host params)."""
+        source = p
+        if level == HOST_PARAMS:
+            source = self.host_params.host_tensor(p)
+            if source.dtype == torch.float32:
+                return source
+        master = self.masters.get(p)
+        if master is None:
+            master = self.masters[p] = self.zeros(p)
+            master.copy_(source.detach())
+        elif p in self._stale_masters:
+            master.copy_(source.detach())
+            self._stale_masters.discard(p)
+        return master
+
+    def stale(self, p: torch.Tensor) -> bool:
+        return p in self._stale_masters
+
+    def set_master(self, p: torch.Tensor, level: str, value: torch.Tensor) -> None:
+        self.master(p, level).copy_(value)
+        self._stale_masters.discard(p)
+
+    def refresh_masters(self) -> None:
+        """Re-read the host masters from the params at the next step (the params were written outside the
+        optimizer: a checkpoint loaded without optimizer states, a delink copying weights)."""
+        self._stale_masters = set(self.masters)
+
+    # ----- the kernel ----------------------------------------------------------------------------------------
+    def adam_update(self, group: Dict[str, Any], step: int, param: torch.Tensor, grad: torch.Tensor,
+                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """DeepSpeed's CPU Adam kernel at ``step``, in place on host fp32 tensors (or equal ranges of them)."""
+        beta1, beta2 = group["betas"]
+        self._cpu_adam.ds_opt_adam.adam_update(self._cpu_adam.opt_id, step, group["lr"], beta1, beta2,
+                                               group["eps"], group["weight_decay"], group["bias_correction"],
+                                               param, grad, exp_avg, exp_avg_sq)
+
+    def state(self, p: torch.Tensor, state: Dict[str, Any]) -> Dict[str, Any]:
+        """``state`` (p's optimizer state), given zero host moments and step 0 at p's first step."""
+        if not state:
+            state.update(step=0, exp_avg=self.zeros(p), exp_avg_sq=self.zeros(p))
+        return state
+
+    def replay_kernel_steps(self, last_step: int, group: Dict[str, Any]) -> None:
+        """Bring the kernel's bias-correction state to where an uninterrupted run would have it.
+
+        The kernel (DeepSpeed 0.19.8 ``Adam_Optimizer::IncrementStep``) multiplies beta^t by beta once per new
+        step, but recomputes it with pow() after a jump (a resume), which differs in the last bit and makes a
+        resumed run leave the uninterrupted trajectory. Replaying steps 1..last_step with lr 0 on a one-element
+        dummy reproduces the product exactly.
+        """
+        beta1, beta2 = group["betas"]
+        dummy = [torch.zeros(1) for _ in range(4)]
+        for step in range(1, last_step + 1):
+            self._cpu_adam.ds_opt_adam.adam_update(self._cpu_adam.opt_id, step, 0.0, beta1, beta2, group["eps"],
+                                                   0.0, group["bias_correction"], *dummy)
+
+    # ----- the pipelined step --------------------------------------------------------------------------------
+    def copy_gradients(self, groups: Sequence[Dict[str, Any]], moved: Callable[[Dict[str, Any], int], None]
+                       ) -> List[Batch]:
+        """First half of a step of ``groups`` (at host_optimizer or host_params): issue the copies of every batch of
+        their gradients to the host buffers, all at once (on a side stream on CUDA, after the work queued so far,
+        which completes the gradients). ``moved(group, bytes)`` counts what crosses between device and host."""
+        work = batches(groups, self.batch_numel)
+        if self.cuda:
+            self.to_host_stream.wait_stream(torch.cuda.current_stream())
+        for batch in work:
+            self._copy_gradients(batch, moved)
+        return work
+
+    def step_batches(self, work: List[Batch], state_of: Callable[[torch.Tensor], Dict[str, Any]],
+                     moved: Callable[[Dict[str, Any], int], None]) -> None:
+        """Second half: wait for each batch in turn, step it and copy its masters back to the params (a second
+        stream on CUDA), so the kernel on one batch runs while the next ones are still being copied. ``state_of(p)``
+        gives p's optimizer state (moments created here on the host at p's first step)."""
+        if self.cuda:
+            self.to_device_stream.wait_stream(torch.cuda.current_stream())  # nothing queued may still read params
+        counted = set()
+        for batch in work:
+            if batch.copied is not None:
+                batch.copied.synchronize()
+            self._log("wait", batch)
+            level = batch.group["level"]
+            for p, start, end in batch.pieces:
+                state = self.state(p, state_of(p))
+                if p not in counted:  # once per step, whatever the ranges p is cut into
+                    counted.add(p)
+                    state["step"] += 1
+                self.adam_update(batch.group, state["step"], *(t.view(-1)[start:end] for t in (
+                    self.master(p, level), self.grad_buffers[p], state["exp_avg"], state["exp_avg_sq"])))
+            self._log("adam", batch)
+            if level != HOST_PARAMS:  # at host_params the host params are the master: the next fetch carries it
+                self._copy_masters_back(batch, moved)
+        if self.cuda:
+            # ZeRO copies the fp32 partition into the working params right after step() returns
+            torch.cuda.current_stream().wait_stream(self.to_device_stream)
+
+    def _copy_gradients(self, batch: Batch, moved) -> None:
+        cuda = any(p.grad.is_cuda for p, _, _ in batch.pieces)
+        with torch.cuda.stream(self.to_host_stream) if cuda else contextlib.nullcontext():
+            for p, start, end in batch.pieces:
+                self.grad_buffer(p).view(-1)[start:end].copy_(p.grad.view(-1)[start:end], non_blocking=cuda)
+            if cuda:
+                batch.copied = torch.cuda.Event()
+                batch.copied.record(self.to_host_stream)
+        moved(batch.group, batch.numel * 4)
+        self._log("copy to host", batch)
+
+    def _copy_masters_back(self, batch: Batch, moved) -> None:
+        cuda = any(p.is_cuda for p, _, _ in batch.pieces)
+        with torch.cuda.stream(self.to_device_stream) if cuda else contextlib.nullcontext():
+            for p, start, end in batch.pieces:
+                p.data.view(-1)[start:end].copy_(self.masters[p].view(-1)[start:end], non_blocking=cuda)
+        moved(batch.group, batch.numel * 4)
+        self._log("copy to device", batch)
+
