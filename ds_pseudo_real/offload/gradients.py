@@ -48,7 +48,6 @@ class OwnGradients:
         self._ready: Dict[int, List[torch.Tensor]] = {}  # group index -> params ready, not flushed
         self._index = {id(g): i for i, g in enumerate(self.groups)}
         self._in_flight: List[_Flush] = []
-        self._staging: Dict[torch.Tensor, torch.Tensor] = {}
         self._end_queued_for: Optional[int] = None
         self.moved: Callable[[Dict[str, Any], int], None] = lambda group, size: None
         self._hooks = ([p.register_post_accumulate_grad_hook(self._on_accumulated) for p in self._group_of]
@@ -108,7 +107,7 @@ class OwnGradients:
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             for p, grad in zip(params, grads):
                 if p in self.received:
-                    target = staged[p] = self._staging_buffer(p)
+                    target = staged[p] = self.host.buffer(p, "staging")
                 else:
                     target = self.host.grad_buffer(p)
                     self.received.add(p)
@@ -142,12 +141,6 @@ class OwnGradients:
 
             return expert_data_parallel_group(group["name"])
         return self.reduce_group
-
-    def _staging_buffer(self, p: torch.Tensor) -> torch.Tensor:
-        buffer = self._staging.get(p)
-        if buffer is None:
-            buffer = self._staging[p] = self.host.zeros(p)
-        return buffer
 
     def _wait(self, params: Optional[List[torch.Tensor]] = None) -> None:
         """Wait for the copies in flight (those touching ``params``, or all) and add their staged gradients."""

@@ -77,8 +77,12 @@ class HostAdam:
     """
 
     def __init__(self, lr: float, betas, eps: float, weight_decay: float, adamw_mode: bool, bias_correction: bool,
-                 pin_memory: bool, host_params=None, batch_numel: int = BATCH_NUMEL):
+                 pin_memory: bool, host_params=None, batch_numel: int = BATCH_NUMEL, groups: Sequence[Dict] = ()):
         self.cuda = torch.cuda.is_available()
+        # the optimizer's group dicts: ZeRO 1/2 rewrite their params in place, so buffers are laid out at first use
+        self._groups = list(groups)
+        self._where: Dict[torch.Tensor, Tuple[Dict[str, Any], int]] = {}  # param -> (its group, offset in it)
+        self._flat: Dict[Tuple[int, str], torch.Tensor] = {}  # (id of group, kind) -> the group's flat buffer
         self.pin = pin_memory and self.cuda
         self.host_params = host_params
         self.batch_numel = batch_numel
@@ -94,14 +98,39 @@ class HostAdam:
         self._stale_masters: set = set()
         self.trace: Optional[List[Tuple[str, str]]] = None
 
-    def zeros(self, like: torch.Tensor) -> torch.Tensor:
-        """Host fp32 zeros shaped like ``like`` (pinned on CUDA)."""
-        return torch.zeros(like.shape, dtype=torch.float32, device=HOST, pin_memory=self.pin)
+    def buffer(self, p: torch.Tensor, kind: str) -> torch.Tensor:
+        """p's range, shaped like p, of the host fp32 buffer of ``kind`` (``grad``, ``master``, ``exp_avg``,
+        ``exp_avg_sq``, ``staging``) of p's group: one flat allocation per group and kind (pinned on CUDA), as the
+        planner counts them, not one per parameter (the pinned allocator rounds each allocation up to a power of
+        two: +64 % for a 1024 x 9984 expert matrix). Zeros when first allocated; after that it holds what was
+        written to it."""
+        if p not in self._where:
+            self._locate()
+        if p not in self._where:  # a param of no group this optimizer was given
+            return torch.zeros(p.shape, dtype=torch.float32, device=HOST, pin_memory=self.pin)
+        group, offset = self._where[p]
+        flat = self._flat.get((id(group), kind))
+        if flat is None:
+            flat = self._flat[(id(group), kind)] = torch.zeros(sum(q.numel() for q in group["params"]),
+                                                               dtype=torch.float32, device=HOST, pin_memory=self.pin)
+        return flat[offset:offset + p.numel()].view(p.shape)
+
+    def allocated_bytes(self, group: Dict[str, Any], kind: str) -> int:
+        """Bytes of ``group``'s flat host buffer of ``kind`` (0 while it is not allocated)."""
+        flat = self._flat.get((id(group), kind))
+        return 0 if flat is None else flat.numel() * flat.element_size()
+
+    def _locate(self) -> None:
+        for group in self._groups:
+            offset = 0
+            for q in group["params"]:
+                self._where[q] = (group, offset)
+                offset += q.numel()
 
     def grad_buffer(self, p: torch.Tensor) -> torch.Tensor:
         buffer = self.grad_buffers.get(p)
         if buffer is None:
-            buffer = self.grad_buffers[p] = self.zeros(p)
+            buffer = self.grad_buffers[p] = self.buffer(p, "grad")
         return buffer
 
     def _log(self, operation: str, batch: Batch) -> None:
@@ -119,7 +148,7 @@ class HostAdam:
                 return source
         master = self.masters.get(p)
         if master is None:
-            master = self.masters[p] = self.zeros(p)
+            master = self.masters[p] = self.buffer(p, "master")
             master.copy_(source.detach())
         elif p in self._stale_masters:
             master.copy_(source.detach())
@@ -150,7 +179,7 @@ class HostAdam:
     def state(self, p: torch.Tensor, state: Dict[str, Any]) -> Dict[str, Any]:
         """``state`` (p's optimizer state), given zero host moments and step 0 at p's first step."""
         if not state:
-            state.update(step=0, exp_avg=self.zeros(p), exp_avg_sq=self.zeros(p))
+            state.update(step=0, exp_avg=self.buffer(p, "exp_avg").zero_(), exp_avg_sq=self.buffer(p, "exp_avg_sq").zero_())
         return state
 
     def replay_kernel_steps(self, last_step: int, group: Dict[str, Any]) -> None:

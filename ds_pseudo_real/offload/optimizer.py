@@ -87,7 +87,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         self.adamw_mode = adamw_mode
         self.host_params = host_params
         self.host = HostAdam(lr, betas, eps, weight_decay, adamw_mode, bias_correction, pin_memory, host_params,
-                             batch_numel)
+                             batch_numel, groups=self.param_groups + self.own_param_groups)
         self.own_gradients = OwnGradients(self.own_param_groups, self.host, stream_gradients)
         self.own_gradients.reduce_group = reduce_group
         self.own_gradients.moved = self._count_moved
@@ -142,11 +142,11 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         step = int(step.item()) if torch.is_tensor(step) else int(step)
         for group in self.param_groups + self.own_param_groups:
             for p in group["params"]:
-                on = p.device if self._steps_on_device(p, group["level"]) else HOST
+                on_device = self._steps_on_device(p, group["level"])
                 state = self.state_of(p)
                 state.clear()
-                state.update(step=step, **{key: torch.zeros(p.shape, dtype=torch.float32, device=on,
-                                                            pin_memory=self.host.pin and on == HOST)
+                state.update(step=step, **{key: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                                           if on_device else self.host.buffer(p, key).zero_()
                                            for key in ("exp_avg", "exp_avg_sq")})
                 self._place_state(state, p, group["level"])
         self.host.replay_kernel_steps(step, self.param_groups[0])
@@ -313,16 +313,17 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         return level == PlacementLevel.DEVICE.value and p.is_cuda
 
     def _place_state(self, state: Dict[str, Any], p: torch.Tensor, level: str) -> None:
-        """Put loaded or seeded moments where this plan steps them: the CPU kernel takes host tensors (pinned on
-        CUDA) and an int step; torch's fused CUDA Adam takes device tensors and a float32 step tensor there."""
+        """Put loaded or seeded moments where this plan steps them: the CPU kernel takes host tensors (its group's
+        flat buffers, pinned on CUDA) and an int step; torch's fused CUDA Adam takes device tensors and a float32 step tensor there."""
         on_cuda = self._steps_on_device(p, level)
         for key in ("exp_avg", "exp_avg_sq"):
             if on_cuda:
                 state[key] = state[key].to(p.device)
-            elif state[key].device != HOST or (self.host.pin and not state[key].is_pinned()):
-                host = self.host.zeros(state[key])
-                host.copy_(state[key])
-                state[key] = host
+            else:
+                host = self.host.buffer(p, key)  # the group's flat host buffer, where the CPU kernel steps it
+                if state[key].data_ptr() != host.data_ptr():
+                    host.copy_(state[key])
+                    state[key] = host
         step = state["step"]
         if on_cuda and not torch.is_tensor(step):
             state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
@@ -343,7 +344,8 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
 
     def held_bytes(self) -> Dict[str, int]:
         """Bytes this optimizer holds now: ``device`` (moments of device groups) and ``host`` (host masters, gradient
-        buffers and moments of host groups; at host_params the master is the host params, counted here)."""
+        buffers, staging buffers for later micro-batches and moments of host groups; at host_params the master is
+        the host params, counted here)."""
         by_group = self.held_bytes_by_group().values()
         return {where: sum(held[where] for held in by_group) for where in ("device", "host")}
 
@@ -363,4 +365,5 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                     for tensor in (host, self.host.masters.get(p), self.host.grad_buffers.get(p)):
                         if tensor is not None:
                             held["host"] += tensor.numel() * tensor.element_size()
+            held["host"] += self.host.allocated_bytes(group, "staging")
         return out

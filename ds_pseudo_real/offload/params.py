@@ -86,14 +86,11 @@ class HostParamStore:
             if params:
                 self._entries.append(params)
                 modules.append(layer)
+        self._pin = pin_memory and self._cuda
         self._host: Dict[nn.Parameter, torch.Tensor] = {}
+        self._packed = set()  # params whose host copy is a view of their layer's allocation
         for params in self._entries:
-            for p in params:
-                if p not in self._host:
-                    host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin_memory and self._cuda)
-                    host.copy_(p.detach())
-                    self._host[p] = host
-                    p.data = host
+            self._pack(params)
         self.state: List[Residency] = [Residency.ON_HOST] * len(self._entries)
         self._buffers: Dict[int, tuple] = {}  # layer -> (device tensors, copy-done event or None); only when FETCHED
         self.transitions: Optional[List[tuple]] = [] if trace else None
@@ -246,7 +243,27 @@ class HostParamStore:
             host.copy_(out)
             out = host
         self._host[t] = out
+        self._packed.discard(t)
         return out
+
+    def _pack(self, params: List[nn.Parameter]) -> None:
+        """Give a layer's host params one host allocation per dtype, each param a view of it, holding the param's
+        current value: the pinned allocator rounds every allocation up to a power of two, so one per parameter
+        would hold far more than the planner counts. Params already packed with another layer (a pseudo model's
+        shared set) are left as they are."""
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            todo = [p for p in params if p.dtype == dtype and p not in self._packed]
+            if not todo:
+                continue
+            flat = torch.empty(sum(p.numel() for p in todo), dtype=dtype, device="cpu", pin_memory=self._pin)
+            offset = 0
+            for p in todo:
+                host = flat[offset:offset + p.numel()].view(p.shape)
+                host.copy_(p.detach())
+                offset += p.numel()
+                self._host[p] = host
+                self._packed.add(p)
+                p.data = host
 
     def host_tensor(self, p: nn.Parameter) -> torch.Tensor:
         """The host copy of ``p``: its working value between uses and the optimizer's fp32 master."""
@@ -262,6 +279,7 @@ class HostParamStore:
                 if host.dtype != p.dtype:
                     host = self._host[p] = torch.empty(p.shape, dtype=p.dtype, device="cpu",
                                                        pin_memory=host.is_pinned())
+                    self._packed.discard(p)
                 host.copy_(p.detach())
                 p.data = host
 
@@ -270,6 +288,7 @@ class HostParamStore:
         0.19.8 casts to bf16 by setting ``p.data``), so that the host copies hold the values training starts from."""
         for params in self._entries:
             self._adopt(params)
+            self._pack(params)  # the cast gave each param an allocation of its own
 
     def remove(self) -> None:
         """Take the hooks off; the parameters stay on the host."""

@@ -212,7 +212,8 @@ def outside_deepspeed(level: PlacementLevel, setup: TrainingSetup) -> bool:
 def host_buffers(numel: int, level: PlacementLevel, setup: TrainingSetup, dp_size: Optional[int] = None
                  ) -> Tuple[int, ...]:
     """Bytes of each host allocation of one group at ``level``: params (HOST_PARAMS), a separate fp32 master, the
-    gradient buffer, then the two moments; one flat buffer each."""
+    gradient buffer, the two moments and, for gradients streamed every micro-batch with gradient accumulation, the
+    buffer later micro-batches land in before they are added; one flat buffer each."""
     level = PlacementLevel(level)
     w, m = setup.working_bytes, partition_numel(numel, setup, dp_size)
     if level is PlacementLevel.DEVICE:
@@ -221,7 +222,8 @@ def host_buffers(numel: int, level: PlacementLevel, setup: TrainingSetup, dp_siz
         return (FP32 * m,) * (2 + ADAM_STATES)
     if outside_deepspeed(level, setup):
         separate_master = (FP32 * numel,) if w != FP32 else ()
-        return (numel * w,) + separate_master + (FP32 * numel,) * (1 + ADAM_STATES)
+        staging = (FP32 * numel,) if setup.streams_gradients and setup.gradient_accumulation_steps > 1 else ()
+        return (numel * w,) + separate_master + (FP32 * numel,) * (1 + ADAM_STATES) + staging
     return (numel * w,) + (FP32 * m,) * (1 + ADAM_STATES)  # fp32 ZeRO 0: the host params are the master
 
 

@@ -74,7 +74,7 @@ def run(stage, rank):
     optimizer, patched, _ = build_offload_optimizer(model, config, "layers", dist.get_world_size())
     fetched = [p for g in optimizer.param_groups + optimizer.own_param_groups if g["level"] == "host_params"
                for p in g["params"]]
-    host = {optimizer.host_params.host_tensor(p).untyped_storage().data_ptr() for p in fetched}
+    host = {optimizer.host_params.host_tensor(p).untyped_storage().data_ptr() for p in fetched}  # one per layer
     params = {p.data.untyped_storage().data_ptr() for p in model.parameters()}
     ds_state.HOST_BROADCAST_CHUNK_BYTES = CHUNK
     with FakeNccl() as fake:

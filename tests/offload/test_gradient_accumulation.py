@@ -45,6 +45,8 @@ def weights_after(stage, level, accumulation):
     # the last step's copies: fetches in every micro-batch's forward and backward, streamed gradients (ZeRO 1/2)
     # every micro-batch, the rest once
     assert moved_bytes(optimizer) - before == plan.moved_bytes_per_step, level
+    # what the host holds, the buffers later micro-batches' streamed gradients land in included
+    assert optimizer.held_bytes() == {"device": plan.optimizer_device_bytes, "host": plan.optimizer_host_bytes}
     weights = torch.cat([p.detach().float().flatten() for p in engine.module.parameters()])
     engine.destroy()
     return weights

@@ -73,3 +73,42 @@ def test_zero0_copies_every_layer_before_the_first_wait_and_waits_once_per_layer
     layers = [f"layer{i}" for i in range(4)]
     back = [] if level == "host_params" else ["copy to device"]  # host_params: the host params are the master
     assert trace == [("copy to host", n) for n in layers] + [(op, n) for n in layers for op in ["wait", "adam", *back]]
+
+
+@pytest.mark.parametrize("stage, level, dtype", [(0, "host_optimizer", "fp32"), (0, "host_params", "fp32"),
+                                                 (2, "host_params", "fp32"), (1, "host_params", "bf16")])
+def test_each_groups_host_buffers_are_one_allocation_per_kind(stage, level, dtype):
+    """The pinned allocator rounds every allocation up to a power of two, so the host keeps one flat buffer per
+    group and kind, as the planner counts them, with each parameter's tensors views into it."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**6, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "granular_offload": {"levels": {str(i): level for i in range(4)}}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    optimizer, patched, _ = build_offload_optimizer(model, cfg, "layers", 1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
+    attach_to_engine(engine)
+    loss = engine(*batch(0, 0))
+    engine.backward(loss)
+    engine.step()
+    groups = [g for g in optimizer.param_groups + optimizer.own_param_groups if g["level"] == level]
+    assert len(groups) == 4
+    for group in groups:
+        params = group["params"]
+        assert len(params) == 6  # norm, up and down: weight and bias each
+        tensors = {"grad": [optimizer.host.grad_buffers[p] for p in params],
+                   "exp_avg": [optimizer.state_of(p)["exp_avg"] for p in params],
+                   "exp_avg_sq": [optimizer.state_of(p)["exp_avg_sq"] for p in params]}
+        if level == "host_params":  # the host params themselves (cast to bf16 by the engine): one per layer too
+            tensors["params"] = [optimizer.host_params.host_tensor(p) for p in params]
+        if dtype == "bf16":  # the fp32 master beside the bf16 params
+            tensors["master"] = [optimizer.host.masters[p] for p in params]
+        for kind, views in tensors.items():
+            storages = {t.untyped_storage().data_ptr() for t in views}
+            assert len(storages) == 1, kind
+            width = 2 if kind == "params" and dtype == "bf16" else 4
+            assert views[0].untyped_storage().nbytes() == LAYER * width, kind
+    engine.destroy()
+    optimizer.remove_hooks()

@@ -332,3 +332,12 @@ def test_describe_plan_names_the_gradient_accumulation():
             f"{2000 / 5e8:.3g} s (2,000 params at 5e+08/s)") in text
     with pytest.raises(PlanError, match=r"gradient_accumulation_steps: got 0, accepted: an integer >= 1"):
         TrainingSetup(gradient_accumulation_steps=0)
+
+
+def test_streamed_gradients_with_accumulation_need_a_staging_buffer_on_the_host():
+    """Later micro-batches' gradients land in a buffer of their own before they are added to the first one's."""
+    one, four = (TrainingSetup("fp32", 2, 1, gradient_accumulation_steps=ga) for ga in (1, 4))
+    assert host_buffers(1000, L.HOST_PARAMS, one) == (4000,) * 4  # params (the master), gradient, two moments
+    assert host_buffers(1000, L.HOST_PARAMS, four) == (4000,) * 5
+    zero0 = TrainingSetup("bf16", 0, 1, gradient_accumulation_steps=4)  # accumulated on the device: no staging
+    assert host_buffers(1000, L.HOST_PARAMS, zero0) == (2000,) + (4000,) * 4
