@@ -59,6 +59,8 @@ class Arm:
     stack_depth: int = 0
     stages: Tuple[Tuple[int, float], ...] = ()  # progressive: (groups, at fraction of the steps) after the first
     delink_noise: float = 0.0  # pseudo_to_real.delink_noise
+    rewarmup_steps: int = 0  # pseudo_to_real.rewarmup_steps: the LR ramps up again over these steps after the switch
+    plateau: Optional[Tuple[int, float]] = None  # switch on a train-loss plateau (window, min_improvement) instead
 
 
 @dataclass
@@ -98,6 +100,8 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
         Arm(f"p2r 1->2->4->{n_layer} @10/20/30%", "progressive", 0.10,
             stages=((2, 0.10), (4, 0.20), (n_layer, 0.30))),
         Arm("p2r@10% scale noise 0.01", "pseudo_to_real", 0.10, delink_noise=0.01),
+        Arm("p2r@10% scale rewarmup 10", "pseudo_to_real", 0.10, rewarmup_steps=10),
+        Arm("p2r plateau 5/0.02 scale", "pseudo_to_real", plateau=(5, 0.02)),
     ]
 
 
@@ -189,7 +193,8 @@ def ds_config(regime: Regime, pseudo_to_real: Dict) -> Dict:
 
 
 def switch_step(regime: Regime, arm: Arm) -> Optional[int]:
-    return None if arm.kind == "scratch" else stage_step(regime, arm.switch)
+    """The step an arm switches at, None for scratch and for a switch on a plateau (known once it happens)."""
+    return None if arm.kind == "scratch" or arm.plateau else stage_step(regime, arm.switch)
 
 
 def stage_step(regime: Regime, fraction: float) -> int:
@@ -292,9 +297,12 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
         engine = build_engine(regime, regime.n_layer, seed, progressive_ptr(regime, arm))
         first_phase = f"pseudo_g{arm.groups}"
     else:
+        trigger = ({"on_plateau": {"metric": "train_loss", "window": arm.plateau[0],
+                                   "min_improvement": arm.plateau[1]}} if arm.plateau
+                   else {"at_step": switch or regime.steps + 1})
         ptr = {"enabled": arm.kind == "pseudo_to_real", "layers": "layers", "groups": arm.groups,
-               "switch": {"at_step": switch or regime.steps + 1}, "optimizer_state": arm.optimizer_state,
-               "delink_noise": arm.delink_noise}
+               "switch": trigger, "optimizer_state": arm.optimizer_state,
+               "delink_noise": arm.delink_noise, "rewarmup_steps": arm.rewarmup_steps}
         engine = build_engine(regime, regime.n_layer, seed, ptr)
         first_phase = f"pseudo_g{arm.groups}" if arm.kind == "pseudo_to_real" else "real"
     params = {first_phase: unique_numel(engine.module)}
@@ -329,6 +337,9 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
             t = engine.last_transition
             transition = {k: t[k] for k in ("step", "seconds", "parameters_before", "parameters_after", "optimizer_state",
                                             "moments_carried")}
+            if switch is None:  # a plateau switch: evaluate around it as around a fixed one
+                switch = t["step"]
+                eval_steps |= {switch} | {switch + d for d in JUMP_OFFSETS if switch + d <= regime.steps}
         phases.append(phase)
         compute_s.append(middle - start)
         optimizer_s.append(end - middle)
