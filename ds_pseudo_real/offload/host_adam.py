@@ -20,7 +20,7 @@ from ds_pseudo_real.offload.planner import PlacementLevel
 HOST = torch.device("cpu")
 # Elements per copy batch: big enough to keep PCIe busy, small enough that the host kernel on one batch runs while
 # the next batch is copied (ZeRO 1/2 hand over a layer as one flat partition, possibly of billions of elements).
-BATCH_NUMEL = 16 * 2**20
+BATCH_NUMEL = 4 * 2**20
 HOST_PARAMS = PlacementLevel.HOST_PARAMS.value
 
 
