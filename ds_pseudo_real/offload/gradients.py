@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ds_pseudo_real.offload.host_adam import HOST, HostAdam
+from ds_pseudo_real.offload.params import EndOfBackward
 
 
 class _Flush:
@@ -48,7 +49,7 @@ class OwnGradients:
         self._ready: Dict[int, List[torch.Tensor]] = {}  # group index -> params ready, not flushed
         self._index = {id(g): i for i, g in enumerate(self.groups)}
         self._in_flight: List[_Flush] = []
-        self._end_queued_for: Optional[int] = None
+        self._end_of_backward = EndOfBackward(self._flush_what_is_left)
         self.moved: Callable[[Dict[str, Any], int], None] = lambda group, size: None
         self._hooks = ([p.register_post_accumulate_grad_hook(self._on_accumulated) for p in self._group_of]
                        if stream else [])
@@ -57,26 +58,16 @@ class OwnGradients:
     def params(self):
         return self._group_of.keys()
 
-    def group_of(self, p: torch.Tensor) -> Dict[str, Any]:
-        return self._group_of[p]
-
     # ----- streaming -----------------------------------------------------------------------------------------
     def _on_accumulated(self, p: torch.Tensor) -> None:
         group = self._group_of[p]
         ready = self._ready.setdefault(self._index[id(group)], [])
         ready.append(p)
-        self._queue_end_of_backward()
+        self._end_of_backward.arm()
         if len(ready) == len(group["params"]):
             self._flush(group, self._ready.pop(self._index[id(group)]), streamed=True)
 
-    def _queue_end_of_backward(self) -> None:
-        task = torch._C._current_graph_task_id()
-        if self._end_queued_for != task:
-            self._end_queued_for = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
-    def _end_of_backward(self) -> None:
-        self._end_queued_for = None
+    def _flush_what_is_left(self) -> None:
         for index in sorted(self._ready):
             self._flush(self.groups[index], self._ready.pop(index), streamed=True)
 

@@ -62,6 +62,25 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class EndOfBackward:
+    """Calls ``callback`` once at the end of every backward graph task in which :meth:`arm` was called (torch 2.x
+    autograd ``queue_callback``). Reentrant activation checkpointing runs nested graph tasks: each ends on its own."""
+
+    def __init__(self, callback):
+        self._callback = callback
+        self._armed_for: Optional[int] = None
+
+    def arm(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._armed_for != task:
+            self._armed_for = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._run)
+
+    def _run(self) -> None:
+        self._armed_for = None
+        self._callback()
+
+
 class HostParamStore:
     """Keeps the parameters in ``host_param_lists`` on the host and serves them to the layers that use them.
 
@@ -101,7 +120,7 @@ class HostParamStore:
         self._converting = list(dict.fromkeys(modules))
         for module in self._converting:
             self._convert_on_host(module)
-        self._end_of_backward_queued_for: Optional[int] = None
+        self._end_of_backward = EndOfBackward(self._released_at_end_of_backward)
         for k, module in enumerate(modules):
             self._handles += [
                 module.register_forward_pre_hook(lambda m, a, k=k: self._before_forward(k)),
@@ -183,7 +202,7 @@ class HostParamStore:
     # at once (so it stays on the device) and the next layer to need its parameters is the one before it.
     def _before_forward(self, k: int) -> None:
         if _in_backward():
-            self._queue_end_of_backward()
+            self._end_of_backward.arm()
             self._use(k, k - 1)
         else:
             self._use(k, k + 1)
@@ -193,7 +212,7 @@ class HostParamStore:
             self._release(k)
 
     def _before_backward(self, k: int) -> None:
-        self._queue_end_of_backward()
+        self._end_of_backward.arm()
         self._use(k, k - 1)
 
     def _after_backward(self, k: int, grad_input) -> None:
@@ -202,18 +221,11 @@ class HostParamStore:
         if any(g is not None for g in grad_input):
             self._release(k)
 
-    def _queue_end_of_backward(self) -> None:
-        task = torch._C._current_graph_task_id()
-        if self._end_of_backward_queued_for != task:
-            self._end_of_backward_queued_for = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
-    def _end_of_backward(self) -> None:
+    def _released_at_end_of_backward(self) -> None:
         """End of a backward's graph task: release the layers a recompute or a frozen-input layer left on the
         device. A layer prefetched for a backward still to come stays ``FETCHING``: reentrant checkpointing runs
         each layer's recompute and backward as a graph task of its own, nested in the whole backward, whose next
         task uses the prefetched layer; :meth:`release_all` at the step drops one the backward never used."""
-        self._end_of_backward_queued_for = None
         for k, state in enumerate(self.state):
             if state is Residency.ON_DEVICE:
                 self._release(k)
