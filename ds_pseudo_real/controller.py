@@ -80,6 +80,13 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
     return copy_with_parameters(model, lambda p: parameter_like(p, torch.empty_like(p, device="meta")))
 
 
+def working_dtype(ds_config: Dict[str, Any]) -> torch.dtype:
+    """The dtype DeepSpeed trains the model's parameters in: bf16 or fp16 when enabled, else fp32."""
+    if (ds_config.get("bf16") or {}).get("enabled"):
+        return torch.bfloat16
+    return torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32
+
+
 def materialize(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]]) -> nn.Module:
     """Give the skeleton's parameters real CPU storage (ties kept), filled from ``weights`` when given."""
     made: Dict[int, nn.Parameter] = {}
@@ -405,6 +412,10 @@ class PseudoToRealController:
         self.state.groups = groups
         self.state.stage = REAL if (depth, groups) == (self.num_layers, self.num_layers) else PSEUDO
         self.engine, self.optimizer, _, self.lr_scheduler = self._initialize(model)
+        if weights is not None and working_dtype(self.ds_config) != torch.float32:
+            # DeepSpeed made the fp32 masters from the working-dtype parameters, rounded: give them the full values
+            for name, param in self.engine.module.named_parameters():
+                ds_state.set_full_fp32_param(self.engine, param, weights[name])
 
     def _materialize_partitioned(self, skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]]) -> nn.Module:
         """ZeRO-3: give the skeleton storage one layer at a time (then the rest), in the engine's dtype, and hand
@@ -413,8 +424,7 @@ class PseudoToRealController:
         planned = list(skeleton.named_parameters())  # kept alive: ids below must not be reused by new tensors
         names = {id(param): name for name, param in planned}
         made: Dict[int, nn.Parameter] = {}
-        dtype = torch.bfloat16 if (self.ds_config.get("bf16") or {}).get("enabled") else (
-            torch.float16 if (self.ds_config.get("fp16") or {}).get("enabled") else torch.float32)
+        dtype = working_dtype(self.ds_config)
         for unit in [*get_layer_list(skeleton, self.layer_path), skeleton]:
             for module in unit.modules():
                 for key, param in list(module._parameters.items()):

@@ -25,6 +25,7 @@ from deepspeed.runtime.utils import combine_grad_norm_groups
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
 )
 
@@ -225,6 +226,20 @@ def full_fp32_param(engine, param: torch.nn.Parameter) -> torch.Tensor:
     if value is None:
         value = safe_get_full_fp32_param(param) if _is_managed(param) else _master(engine, param)
     return value.detach().float().cpu().clone()
+
+
+def set_full_fp32_param(engine, param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Write the full fp32 ``value`` of ``param`` into the fp32 master its optimizer steps (this rank's part of it
+    under ZeRO 1-3, granular offload's host master for its own groups); the working parameter is left as it is."""
+    own_master = getattr(basic_optimizer(engine), "fp32_master", None)
+    master = own_master(param) if own_master is not None else None
+    if master is None and _is_managed(param):
+        safe_set_full_fp32_param(param, value)
+        return
+    if master is None:
+        master = _master(engine, param)
+    with torch.no_grad():
+        master.copy_(value)
 
 
 def full_moments(engine, param: torch.nn.Parameter, name: str = "") -> Optional[Dict[str, torch.Tensor]]:

@@ -73,6 +73,33 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, uninterrupted, sto
     second.engine.destroy()
 
 
+def fp32_masters(engine):
+    return {name: ds_pseudo_real.ds_state.full_fp32_param(engine.engine, p) for name, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("offload", [None, {"levels": ["host_optimizer", "device", "host_optimizer", "host_params"]}],
+                         ids=["plain", "granular_offload"])
+def test_bf16_steps_after_the_delink_equal_a_resume_from_a_checkpoint_saved_there(tmp_path, stage, offload):
+    """bf16 ZeRO 1/2: the delink writes the pseudo model's fp32 masters into the real engine after building it,
+    which every copy the optimizer steps from (DeepSpeed's fp32 partition, the offload's host masters) follows:
+    the steps after it equal those of a run resumed from a checkpoint saved right after the delink."""
+    engine = make(stage=stage, dtype="bf16", offload=offload)
+    train(engine, SWITCH)
+    assert engine.stage == "real"
+    engine.save_checkpoint(str(tmp_path), tag="delinked")
+    continued = train(engine, TOTAL)
+    continued_masters = fp32_masters(engine)
+    engine.engine.destroy()
+
+    resumed = make(stage=stage, dtype="bf16", offload=offload, seed=123)
+    resumed.load_checkpoint(str(tmp_path), tag="delinked")
+    assert train(resumed, TOTAL) == continued
+    resumed_masters = fp32_masters(resumed)
+    assert all(torch.equal(resumed_masters[name], value) for name, value in continued_masters.items())
+    resumed.engine.destroy()
+
+
 def test_failed_publish_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):
     engine = make()
     train(engine, 2)
@@ -131,7 +158,7 @@ def test_converted_checkpoint_gives_the_pseudo_logits_on_another_zero_stage(tmp_
 def test_converted_checkpoint_carries_host_params_groups(tmp_path, dtype):
     """ZeRO 2 with the pseudo model's shared set at host_params, stepped outside DeepSpeed's optimizer (so
     DeepSpeed's own consolidation does not see it): the converter takes its fp32 master from the offload
-    optimizer's state; in fp32 the real model then gives the pseudo model's logits."""
+    optimizer's state; the real model loads them as its fp32 masters, and in fp32 gives the pseudo model's logits."""
     pseudo = make(stage=2, dtype=dtype, offload={"levels": {"0": "host_params"}})
     offload = ds_pseudo_real.ds_state.basic_optimizer(pseudo.engine)
     assert [g["placement"] for g in offload.own_param_groups] == ["layer0"]
@@ -146,11 +173,13 @@ def test_converted_checkpoint_carries_host_params_groups(tmp_path, dtype):
     for name, master in masters.items():
         for layer in range(4):  # expanded to every layer of the real model
             assert torch.equal(weights[name.replace("layers.0.", f"layers.{layer}.")], master), name
+    real = make(stage=1, seed=9, dtype=dtype)
+    real.load_checkpoint(str(tmp_path / "real"))
     if dtype == "fp32":
-        real = make(stage=1, seed=9)
-        real.load_checkpoint(str(tmp_path / "real"))
         assert torch.equal(logits(real), expected)
-        real.engine.destroy()
+    loaded = fp32_masters(real)  # bf16 too: the fp32 masters are the converted weights, not their bf16 rounding
+    assert all(torch.equal(value, weights[name]) for name, value in loaded.items())
+    real.engine.destroy()
 
 
 def pseudo_lr_at(step):

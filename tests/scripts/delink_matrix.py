@@ -1,5 +1,5 @@
-"""Delink on every ZeRO stage and dtype: loss on a fixed batch right before and after, moments carried, Adam
-step counter. Imported by the single-rank test; run under torchrun for 2 ranks (prints JSON lines on rank 0)."""
+"""Delink on every ZeRO stage and dtype: loss on a fixed batch right before and after, moments carried, the fp32
+masters carried exactly (bf16 included), Adam step counter. Imported by the single-rank test; run under torchrun for 2 ranks (prints JSON lines on rank 0)."""
 import json
 import sys
 
@@ -47,10 +47,11 @@ def eval_loss(engine, batch):
 
 
 class BeforeDelink(TrainingCallback):
-    """Runs after the trigger fired and before the controller delinks: the pseudo engine is still live."""
+    """Runs after the trigger fired and before the controller delinks: the pseudo engine is still live.
+    ``masters``: also record every parameter's full fp32 master (a collective under ZeRO-3)."""
 
-    def __init__(self, engine_ref, probe_batch):
-        self.engine_ref, self.batch, self.seen = engine_ref, probe_batch, {}
+    def __init__(self, engine_ref, probe_batch, masters=False):
+        self.engine_ref, self.batch, self.seen, self.masters = engine_ref, probe_batch, {}, masters
 
     def on_step_end(self, state, control):
         if control.should_delink:
@@ -61,13 +62,24 @@ class BeforeDelink(TrainingCallback):
                 self.seen["moments"] = ds_state.full_moments(engine.engine, param)
             step = ds_state.step_counters(engine.engine)["state_step"]
             self.seen["adam_step"] = None if step is None else float(step)
+            if self.masters:
+                self.seen["masters"] = {name: ds_state.full_fp32_param(engine.engine, p)
+                                        for name, p in engine.module.named_parameters()}
+
+
+def masters_carried(engine, pseudo_masters):
+    """Names of the real model's parameters whose fp32 master is not, bit for bit, its source's pseudo master."""
+    old, new = (engine.num_layers, 1), (engine.num_layers, engine.num_layers)
+    return [name for name, p in engine.module.named_parameters()
+            if not torch.equal(ds_state.full_fp32_param(engine.engine, p),
+                               pseudo_masters[engine._source_name(name, old, new)[0]])]
 
 
 def run_case(stage, dtype, policy):
     rank = dist.get_rank() if dist.is_initialized() else 0
     probe = fixed_batch(99)
     ref = [None]
-    before = BeforeDelink(ref, probe)
+    before = BeforeDelink(ref, probe, masters=True)
     engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(stage, dtype, policy), callbacks=[before])
     ref[0] = engine
     train = fixed_batch(1 + rank)
@@ -79,6 +91,7 @@ def run_case(stage, dtype, policy):
         losses.append(loss.float().item())
         if engine.global_steps == SWITCH:
             post = eval_loss(engine, probe)
+            masters_differ = masters_carried(engine, before.seen["masters"])
             last = dict(engine.module.named_parameters())[PROBE.format(3)]
             moments = ds_state.full_moments(engine.engine, last)
             step = ds_state.step_counters(engine.engine)["state_step"]
@@ -90,7 +103,7 @@ def run_case(stage, dtype, policy):
             )
     result = {
         "stage": stage, "dtype": dtype, "policy": policy, "pre": before.seen["loss"], "post": post,
-        "moments_ok": moments_ok, "adam_step": None if step is None else float(step), "pseudo_adam_step": before.seen["adam_step"],
+        "moments_ok": moments_ok, "masters_differ": masters_differ, "adam_step": None if step is None else float(step), "pseudo_adam_step": before.seen["adam_step"],
         "global_steps": engine.global_steps, "final_stage": engine.stage, "losses": losses,
         "params_after": ds_pseudo_real.controller.parameter_numel(engine.module),
     }
