@@ -1,8 +1,9 @@
 """The engine-owning controller: a DeepSpeed engine stand-in that runs callbacks and performs the delink.
 
 Owns: the current engine (pseudo, then real), the training state, the callback list, the in-process delink
-(gather full fp32 weights -> destroy -> build the real model -> new engine -> carry steps, LR schedule and the
-optimizer state per policy) and checkpoint save/load across stages. Sharing math lives in ``sharing``, trigger
+(gather full fp32 weights -> destroy -> build the real model in the working dtype, a parameter at a time -> new
+engine, its fp32 masters set from the gathered weights -> carry steps, LR schedule and the optimizer state per
+policy) and checkpoint save/load across stages. Sharing math lives in ``sharing``, trigger
 and policy math in ``transition``, DeepSpeed internals in ``ds_state``.
 """
 from __future__ import annotations
@@ -87,24 +88,40 @@ def working_dtype(ds_config: Dict[str, Any]) -> torch.dtype:
     return torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32
 
 
-def materialize(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]]) -> nn.Module:
-    """Give the skeleton's parameters real CPU storage (ties kept), filled from ``weights`` when given."""
-    made: Dict[int, nn.Parameter] = {}
-    for module in skeleton.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None:
+def _parameter_names(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]]) -> Dict[int, str]:
+    """{id: name} of the skeleton's parameters (a tie under its first name), every one of them in ``weights``."""
+    names = {id(param): name for name, param in skeleton.named_parameters()}
+    missing = [name for name in names.values() if weights is not None and name not in weights]
+    if missing:
+        raise KeyError(f"no weights for real-model parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    return names
+
+
+def _give_storage(unit: nn.Module, names: Dict[int, str], made: Dict[int, nn.Parameter],
+                  weights: Optional[Dict[str, torch.Tensor]], dtype: Optional[torch.dtype]) -> None:
+    """Give the meta parameters of ``unit`` CPU storage (ties kept through ``made``), floating ones in ``dtype``
+    when given, each filled from ``weights`` as it is made."""
+    for module in unit.modules():
+        for key, param in list(module._parameters.items()):
+            if param is None or (id(param) not in made and param.device.type != "meta"):
                 continue
             if id(param) not in made:
-                made[id(param)] = parameter_like(param, torch.empty_like(param, device="cpu"))
-            module._parameters[name] = made[id(param)]
-    if weights is not None:
-        names = [name for name, _ in skeleton.named_parameters()]
-        missing = [name for name in names if name not in weights]
-        if missing:
-            raise KeyError(f"no weights for real-model parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        with torch.no_grad():
-            for name, param in skeleton.named_parameters():
-                param.copy_(weights[name])
+                cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
+                real = parameter_like(param, torch.empty_like(param, device="cpu", dtype=cast))
+                if weights is not None:
+                    with torch.no_grad():
+                        real.copy_(weights[names[id(param)]])
+                made[id(param)] = real
+            module._parameters[key] = made[id(param)]
+
+
+def materialize(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]],
+                dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Give the skeleton's parameters real CPU storage (ties kept), filled from ``weights`` when given, in ``dtype``
+    (floating parameters; the engine's working dtype, which DeepSpeed would cast them to) or their own: each
+    parameter is made and filled in turn, so the host never holds the model in a wider dtype than it trains in."""
+    names = _parameter_names(skeleton, weights)
+    _give_storage(skeleton, names, {}, weights, dtype)
     return skeleton
 
 
@@ -404,40 +421,32 @@ class PseudoToRealController:
             truncate_layers(skeleton, self.layer_path, depth)
         if groups < depth:
             apply_sharing(skeleton, self.layer_path, groups)
+        dtype = working_dtype(self.ds_config)
         if (self.ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
-            model = self._materialize_partitioned(skeleton, weights)
+            model = self._materialize_partitioned(skeleton, weights, dtype)
         else:
-            model = materialize(skeleton, weights)
+            model = materialize(skeleton, weights, dtype)
         self.depth, self.groups = depth, groups
         self.state.groups = groups
         self.state.stage = REAL if (depth, groups) == (self.num_layers, self.num_layers) else PSEUDO
         self.engine, self.optimizer, _, self.lr_scheduler = self._initialize(model)
-        if weights is not None and working_dtype(self.ds_config) != torch.float32:
+        if weights is not None and dtype != torch.float32:
             # DeepSpeed made the fp32 masters from the working-dtype parameters, rounded: give them the full values
             for name, param in self.engine.module.named_parameters():
                 ds_state.set_full_fp32_param(self.engine, param, weights[name])
 
-    def _materialize_partitioned(self, skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]]) -> nn.Module:
+    def _materialize_partitioned(self, skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]],
+                                 dtype: torch.dtype) -> nn.Module:
         """ZeRO-3: give the skeleton storage one layer at a time (then the rest), in the engine's dtype, and hand
         each to ``deepspeed.zero.Init(module=...)``, which keeps this rank's partition and frees the rest, so that a
         rank never holds more than one layer of the model in full."""
-        planned = list(skeleton.named_parameters())  # kept alive: ids below must not be reused by new tensors
-        names = {id(param): name for name, param in planned}
+        planned = list(skeleton.named_parameters())  # kept alive: ids in ``names`` must not be reused by new tensors
+        names = _parameter_names(skeleton, weights)
         made: Dict[int, nn.Parameter] = {}
-        dtype = working_dtype(self.ds_config)
         for unit in [*get_layer_list(skeleton, self.layer_path), skeleton]:
-            for module in unit.modules():
-                for key, param in list(module._parameters.items()):
-                    if param is None or (id(param) not in made and param.device.type != "meta"):
-                        continue
-                    if id(param) not in made:
-                        real = parameter_like(param, torch.empty_like(param, device="cpu", dtype=dtype))
-                        if weights is not None:
-                            with torch.no_grad():
-                                real.copy_(weights[names[id(param)]])
-                        made[id(param)] = real
-                    module._parameters[key] = made[id(param)]
+            _give_storage(unit, names, made, weights, dtype)
             deepspeed.zero.Init(module=unit, config_dict_or_path=self.ds_config, dtype=dtype, mpu=self._mpu)
+        del planned
         return skeleton
 
     def _build_real_engine(self, real_weights: Optional[Dict[str, torch.Tensor]]) -> None:

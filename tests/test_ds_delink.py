@@ -5,7 +5,9 @@ import json
 import sys
 from pathlib import Path
 
+import deepspeed
 import pytest
+import torch
 
 from conftest import run_two_ranks
 
@@ -48,3 +50,21 @@ def test_delink_two_ranks():
     assert len(results) == len(delink_matrix.matrix())
     for result in results:
         check(result)
+
+
+@pytest.mark.parametrize("stage, dtype", [(1, "bf16"), (2, "bf16"), (2, "fp32")])
+def test_delink_builds_the_real_model_in_the_working_dtype(stage, dtype, monkeypatch):
+    """ZeRO 1/2: every rank builds the whole real model before DeepSpeed takes it, in the dtype it trains in, so that
+    in bf16 the host never holds the real model in fp32 (half the bytes)."""
+    handed = []
+    initialize = deepspeed.initialize
+
+    def recording(*args, model, **kwargs):
+        handed.append({p.dtype for p in model.parameters()})
+        return initialize(*args, model=model, **kwargs)
+
+    monkeypatch.setattr(deepspeed, "initialize", recording)
+    result = delink_matrix.run_case(stage, dtype, "copy")
+    check(result)
+    assert len(handed) == 2  # the pseudo model as given, then the real model the delink built
+    assert handed[1] == {torch.bfloat16 if dtype == "bf16" else torch.float32}
