@@ -9,11 +9,19 @@ Per rank, after one pseudo step:
   rank's real-stage bytes (parameters, gradients, fp32 master and optimizer state, DeepSpeed's own accounting; on a
   CPU run they all live on the host). The peak is the kernel's high-water mark, reset just before the delink;
 - ``freed``: weak references to the pseudo engine and its optimizer are dead after the delink and ``gc.collect()``,
-  and the module given to ``initialize`` is dead or holds no storage.
+  and the module given to ``initialize`` is dead or holds no storage;
+- ``model_bytes_per_parameter``: the RSS the built real model adds (measured around the controller's build of it,
+  before ``deepspeed.initialize``) per real parameter this rank builds, and ``model_storage_per_parameter`` the
+  bytes its parameter tensors hold (this rank's partitions under ZeRO-3): what every rank holds on the host for the
+  model before DeepSpeed moves it to the device (4 in fp32, 2 in bf16 when it is built in the working dtype; the
+  RSS figure is lower where the allocator reuses pages the pseudo engine freed);
+- ``built_peak_over_real``: the part of ``peak_host_over_real`` reached by the time the new engine is built (before
+  the moments are seeded and filled).
 A rank row reports the worst rank. A configuration DeepSpeed refuses (its MoE under ZeRO-3) is reported as such.
 
     python benchmarks/delink.py            # ~4 min on 2 CPU cores; writes benchmarks/results/delink.json
     python benchmarks/delink.py --quick    # smaller models, 1 and 2 ranks, ZeRO 1 and 3 only
+    python benchmarks/delink.py --dtype bf16 --zero 1,2 --models dense --out benchmarks/results/delink_bf16.json
 """
 from __future__ import annotations
 
@@ -61,7 +69,7 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def worker(model: str, zero: int, policy: str, quick: bool) -> Dict:
+def worker(model: str, zero: int, policy: str, quick: bool, dtype: str = "fp32") -> Dict:
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -78,6 +86,8 @@ def worker(model: str, zero: int, policy: str, quick: bool) -> Dict:
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": zero},
               "pseudo_to_real": {"layers": "layers", "switch": {"at_step": 10**9}, "optimizer_state": policy},
               **section}
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
     spec = model_spec(config, {}, vocab_size=256, world_size=world, groups=1)
     module = build_model(spec, seed=0)
     engine, _, _, _ = ds_pseudo_real.initialize(model=module, config=config, model_parameters=parameter_groups(spec))
@@ -89,6 +99,7 @@ def worker(model: str, zero: int, policy: str, quick: bool) -> Dict:
     caller_module = weakref.ref(module)
     del module
     gc.collect()
+    marks = measure_build(type(engine))
     before = rss_bytes()
     peak_ok = reset_peak_rss()
     report = engine.delink()
@@ -110,17 +121,49 @@ def worker(model: str, zero: int, policy: str, quick: bool) -> Dict:
     copy_s = sorted(copies)[1]
     del source
     result = {
-        "rank": rank, "world": world, "zero": zero, "model": model, "policy": policy,
+        "rank": rank, "world": world, "zero": zero, "model": model, "policy": policy, "dtype": dtype,
         "parameters_before": report["parameters_before"], "parameters_after": report["parameters_after"],
         "rank_real_parameters": sum(int(torch.Size(s).numel()) for s in shapes),
         "delink_s": report["seconds"], "copy_s": copy_s, "delink_over_copy": report["seconds"] / copy_s,
         "rss_floor": floor, "rss_before_delink": before, "peak_rss_during_delink": peak,
         "real_stage_bytes": real_bytes, "memory_after": report["memory_after"],
         "peak_host_over_real": None if peak is None else (peak - floor) / real_bytes,
+        "model_build_bytes": marks["model"],
+        "model_bytes_per_parameter": marks["model"] / sum(int(torch.Size(s).numel()) for s in shapes),
+        "model_storage_per_parameter": marks["storage"] / sum(int(torch.Size(s).numel()) for s in shapes),
+        "built_peak_over_real": None if not peak_ok else (marks["built_peak"] - floor) / real_bytes,
         "freed": freed,
     }
     engine.engine.destroy()
     return result
+
+
+def measure_build(controller_class) -> Dict[str, int]:
+    """Wrap the controller's model build (``materialize``, ZeRO-3's ``_materialize_partitioned``) and engine build
+    (``_initialize``) to record the RSS the built model adds and the RSS high-water mark once the engine is built."""
+    from ds_pseudo_real import controller
+
+    marks: Dict[str, int] = {}
+
+    def rss_added(function):
+        def wrapper(*args, **kwargs):
+            start = rss_bytes()
+            out = function(*args, **kwargs)
+            marks["model"] = rss_bytes() - start
+            marks["storage"] = sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for p in out.parameters())
+            return out
+        return wrapper
+
+    def initialize(self, *args, **kwargs):
+        out = built(self, *args, **kwargs)
+        marks["built_peak"] = rss_bytes("VmHWM")
+        return out
+
+    built = controller_class._initialize
+    controller.materialize = rss_added(controller.materialize)
+    controller_class._materialize_partitioned = rss_added(controller_class._materialize_partitioned)
+    controller_class._initialize = initialize
+    return marks
 
 
 def free_port() -> int:
@@ -131,13 +174,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_case(model: str, world: int, zero: int, policy: str, quick: bool, timeout: float) -> Dict:
+def run_case(model: str, world: int, zero: int, policy: str, quick: bool, timeout: float, dtype: str = "fp32") -> Dict:
     """One configuration on ``world`` gloo ranks (torchrun); the worst rank's figures."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-           str(free_port()), __file__, "--worker", model, str(zero), policy] + (["--quick"] if quick else [])
-    case = {"model": model, "world": world, "zero": zero, "policy": policy}
+           str(free_port()), __file__, "--worker", model, str(zero), policy, "--dtype", dtype] + (
+               ["--quick"] if quick else [])
+    case = {"model": model, "world": world, "zero": zero, "policy": policy, "dtype": dtype}
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired:
@@ -153,6 +197,9 @@ def run_case(model: str, world: int, zero: int, policy: str, quick: bool, timeou
             "parameters_after": ranks[0]["parameters_after"],
             "delink_s": max(r["delink_s"] for r in ranks), "copy_s": max(r["copy_s"] for r in ranks),
             "delink_over_copy": worst("delink_over_copy"), "peak_host_over_real": worst("peak_host_over_real"),
+            "model_bytes_per_parameter": worst("model_bytes_per_parameter"),
+            "model_storage_per_parameter": worst("model_storage_per_parameter"),
+            "built_peak_over_real": worst("built_peak_over_real"),
             "freed": all(all(r["freed"].values()) for r in ranks), "ranks": ranks}
 
 
@@ -179,6 +226,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "ZERO", "POLICY"), help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="small models; ZeRO 1 and 3 only")
     parser.add_argument("--policy", default="scale", choices=("copy", "scale", "reset"))
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the engine's working dtype")
+    parser.add_argument("--zero", help="ZeRO stages, comma-separated (default 1,2,3; --quick 1,3)")
+    parser.add_argument("--models", default="dense,moe", help="comma-separated, of: " + ", ".join(MODELS))
     parser.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
     parser.add_argument("--out", default=str(RESULTS / "delink.json"))
     return parser.parse_args(argv)
@@ -188,14 +238,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         model, zero, policy = args.worker
-        result = worker(model, int(zero), policy, args.quick)
+        result = worker(model, int(zero), policy, args.quick, args.dtype)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     cases = []
-    for model in ("dense", "moe"):
+    stages = [int(z) for z in args.zero.split(",")] if args.zero else ((1, 3) if args.quick else (1, 2, 3))
+    for model in args.models.split(","):
         for world in (1, 2):
-            for zero in ((1, 3) if args.quick else (1, 2, 3)):
-                case = run_case(model, world, zero, args.policy, args.quick, args.timeout)
+            for zero in stages:
+                case = run_case(model, world, zero, args.policy, args.quick, args.timeout, args.dtype)
                 cases.append(case)
                 print(json.dumps({k: v for k, v in case.items() if k != "ranks"}), flush=True)
     plan = m6_10t_plan_only()
@@ -203,10 +254,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = [[c["model"], c["world"], c["zero"], f"{c['parameters_before']:,} -> {c['parameters_after']:,}",
              f"{c['delink_s']:.2f}", f"{c['copy_s']:.3f}", f"{c['delink_over_copy']:.1f}",
              "n/a" if c["peak_host_over_real"] is None else f"{c['peak_host_over_real']:.2f}",
+             "n/a" if c["built_peak_over_real"] is None else f"{c['built_peak_over_real']:.2f}",
+             f"{c['model_bytes_per_parameter']:.2f} ({c['model_storage_per_parameter']:.2f})",
              "yes" if c["freed"] else "NO"] if "error" not in c else
-            [c["model"], c["world"], c["zero"], "refused: " + c["error"], "", "", "", "", ""] for c in cases]
+            [c["model"], c["world"], c["zero"], "refused: " + c["error"], "", "", "", "", "", "", ""] for c in cases]
     table = markdown_table(["model", "ranks", "ZeRO", "parameters", "delink s", "one copy s", "delink / copy",
-                            "peak host / real-stage bytes", "pseudo engine freed"], rows)
+                            "peak host / real-stage bytes", "of it when the engine is built",
+                            f"built model ({args.dtype}), RSS (storage) bytes / parameter", "pseudo engine freed"],
+                           rows)
     table += (f"\n\nM6-10T at {plan['world']} GPUs, EP {plan['expert_parallel']} (byte model, no run): each rank "
               f"builds {plan['rank_real_parameters']:,} real parameters; the delink holds "
               f"{gib(plan['host_bytes_per_rank_today'])} of host memory per rank today "
