@@ -42,7 +42,8 @@ class ExpertPrototypingGate(nn.Module):
         if used_token is not None or not sparse_routes or use_tutel:
             raise NotImplementedError("ExpertPrototypingGate supports DeepSpeed's sparse routes only "
                                       "(no used_token mask, no Tutel)")
-        logits = self.wg(input.float())
+        # fp32 routing whatever dtype the engine cast the gate to (bf16), as DeepSpeed's TopKGate does
+        logits = nn.functional.linear(input.float(), self.wg.weight.float())
         tokens, experts = logits.shape
         gates, routed = routing.expert_prototype_routing(logits, self.num_prototypes)
         l_aux = routing.load_balancing_loss(logits, routed, self.num_prototypes)

@@ -109,3 +109,21 @@ def test_bad_prototype_count_names_the_values():
         routing.expert_prototype_routing(torch.zeros(2, 8), 3)
     with pytest.raises(ValueError, match="drop policy"):
         routing.drop_over_capacity(torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.bool), 1, "random")
+
+
+def test_gate_routes_in_fp32_when_the_model_is_cast_to_bf16():
+    """DeepSpeed casts the whole model, the gate included, to bf16: the gate still routes on fp32 logits (as
+    DeepSpeed's own TopKGate does), from the bf16 input and weight, and its weight gets a gradient."""
+    from ds_pseudo_real.moe.deepspeed_layer import ExpertPrototypingGate
+
+    gate = ExpertPrototypingGate(H, E, K, capacity_factor=2.0)
+    reference = ExpertPrototypingGate(H, E, K, capacity_factor=2.0)
+    gate.to(torch.bfloat16)
+    reference.wg.weight.data.copy_(gate.wg.weight.float())
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    out = gate(x)
+    expected = reference(x.float())
+    assert all(torch.equal(a, b) for a, b in zip(out[3:], expected[3:]))  # indices, locations, gates, counts
+    assert torch.equal(out[0], expected[0])  # l_aux
+    out[0].backward()
+    assert gate.wg.weight.grad is not None and gate.wg.weight.grad.dtype == torch.bfloat16
