@@ -102,6 +102,8 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
         Arm("p2r@10% scale noise 0.01", "pseudo_to_real", 0.10, delink_noise=0.01),
         Arm("p2r@10% scale rewarmup 10", "pseudo_to_real", 0.10, rewarmup_steps=10),
         Arm("p2r plateau 5/0.02 scale", "pseudo_to_real", plateau=(5, 0.02)),
+        Arm("p2r plateau 5/0.02 scale rewarmup 10", "pseudo_to_real", plateau=(5, 0.02), rewarmup_steps=10),
+        Arm("p2r@10% scale noise 0.01 rewarmup 10", "pseudo_to_real", 0.10, delink_noise=0.01, rewarmup_steps=10),
     ]
 
 
