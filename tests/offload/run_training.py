@@ -212,6 +212,7 @@ def main(cases):
                 run_case(case, rank, world_size, shared)
             line = "RESULT " + json.dumps(run) + "\n"
             os.write(1, line.encode())  # one write: the two ranks' lines must not interleave
+    torch.distributed.destroy_process_group()  # before exit: gloo's threads torn down at exit can abort the process
 
 
 if __name__ == "__main__":

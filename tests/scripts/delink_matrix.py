@@ -125,4 +125,5 @@ if __name__ == "__main__":
         out = run_case(*case)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()  # before exit: gloo's threads torn down at interpreter exit can abort the process
     sys.exit(0)

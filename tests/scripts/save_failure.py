@@ -62,3 +62,4 @@ dist.all_gather_object(errors, error)
 if rank == 0:
     print(json.dumps({"errors": errors, "partial_left": partial_left, "latest": ckpt.latest_tag(folder),
                       "resumed_step": resumed_step, "same_tail": tail == resumed_tail}), flush=True)
+dist.destroy_process_group()  # before exit: gloo's threads torn down at interpreter exit can abort the process

@@ -21,3 +21,4 @@ engine.save_checkpoint(sys.argv[1])
 if dist.get_rank() == 0:
     torch.save(out, sys.argv[2])
     print("saved", flush=True)
+dist.destroy_process_group()  # before exit: gloo's threads torn down at interpreter exit can abort the process
