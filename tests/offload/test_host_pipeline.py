@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tiny_model import TinyLM, batch  # noqa: E402
+from tiny_model import TinyLM, batch, offload_config  # noqa: E402
 
 from ds_pseudo_real.offload import attach_to_engine, build_offload_optimizer  # noqa: E402
 from ds_pseudo_real.offload.host_adam import batches  # noqa: E402
@@ -33,9 +33,7 @@ def test_groups_are_cut_into_bounded_batches_that_never_mix_groups():
 def train(stage, level, batch_numel=None, trace_step=None):
     torch.manual_seed(0)
     model = TinyLM()
-    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**6, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "granular_offload": {"levels": {str(i): level for i in range(4)}}}
+    cfg = offload_config(stage, level)
     optimizer, patched, _ = build_offload_optimizer(model, cfg, "layers", 1)
     if batch_numel is not None:
         optimizer.host.batch_numel = batch_numel
@@ -82,11 +80,7 @@ def test_each_groups_host_buffers_are_one_allocation_per_kind(stage, level, dtyp
     group and kind, as the planner counts them, with each parameter's tensors views into it."""
     torch.manual_seed(0)
     model = TinyLM()
-    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**6, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "granular_offload": {"levels": {str(i): level for i in range(4)}}}
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
+    cfg = offload_config(stage, level, dtype)
     optimizer, patched, _ = build_offload_optimizer(model, cfg, "layers", 1)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
     attach_to_engine(engine)

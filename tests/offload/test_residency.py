@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tiny_model import TinyLM, batch  # noqa: E402
+from tiny_model import TinyLM, batch, offload_config  # noqa: E402
 
 from ds_pseudo_real.offload import attach_to_engine, build_offload_optimizer  # noqa: E402
 from ds_pseudo_real.offload.params import HostParamStore, Residency  # noqa: E402
@@ -53,9 +53,7 @@ class SkipsLastLayerOnEvenSteps(TinyLM):
 def train(level, stage):
     torch.manual_seed(0)
     model = SkipsLastLayerOnEvenSteps()
-    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**6, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "granular_offload": {"levels": {str(i): level for i in range(4)}}}
+    cfg = offload_config(stage, level)
     optimizer, patched, _ = build_offload_optimizer(model, cfg, "layers", 1)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
     attach_to_engine(engine)

@@ -58,3 +58,14 @@ def batch(step, rank, size=4, length=8, vocab=64):
     g = torch.Generator().manual_seed(1000 * rank + step)
     x = torch.randint(0, vocab, (size, length), generator=g)
     return x, x.roll(-1, 1)
+
+
+def offload_config(stage, level, dtype="fp32"):
+    """The DeepSpeed config these tests train TinyLM with: AdamW, no gradient clipping (the offload optimizer's own
+    groups then step bit for bit as DeepSpeed's do) and every one of its 4 layers at ``level``."""
+    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**6, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "granular_offload": {"levels": {str(i): level for i in range(4)}}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
