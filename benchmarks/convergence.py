@@ -104,6 +104,9 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
         Arm("p2r plateau 5/0.02 scale", "pseudo_to_real", plateau=(5, 0.02)),
         Arm("p2r plateau 5/0.02 scale rewarmup 10", "pseudo_to_real", plateau=(5, 0.02), rewarmup_steps=10),
         Arm("p2r@10% scale noise 0.01 rewarmup 10", "pseudo_to_real", 0.10, delink_noise=0.01, rewarmup_steps=10),
+        Arm("p2r@5% scale", "pseudo_to_real", 0.05),
+        Arm("p2r@5% scale noise 0.01", "pseudo_to_real", 0.05, delink_noise=0.01),
+        Arm("p2r@10% G=2 scale", "pseudo_to_real", 0.10, groups=2),
     ]
 
 
@@ -627,6 +630,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="smoke run: fewer steps, variants and seeds (~2 min)")
     p.add_argument("--regime", choices=("dense", "memory_bound", "both"), default="both")
     p.add_argument("--seeds", type=int, default=None, help="seeds per variant (default 3, quick 2)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="the first seed (seeds are first-seed, first-seed + 1, ...): fresh seeds to confirm an arm on")
     p.add_argument("--arms", default=None,
                    help="comma-separated variant names to run (default: all of the regime's), scratch included")
     p.add_argument("--steps", type=int, default=None, help="dense steps (default 400, quick 60)")
@@ -665,7 +670,7 @@ def main(argv=None) -> int:
     init_single_process(args.threads)
     from ds_pseudo_real.data import ByteCorpus
 
-    seeds = list(range(args.seeds or (2 if args.quick else 3)))
+    seeds = list(range(args.first_seed, args.first_seed + (args.seeds or (2 if args.quick else 3))))
     tag = args.tag if args.tag is not None else ("_quick" if args.quick else "")
     corpus = None if args.reanalyse else ByteCorpus(max_bytes=args.corpus_bytes)
     for regime in regimes(args):
