@@ -1,17 +1,19 @@
 """The engine-owning controller: a DeepSpeed engine stand-in that runs callbacks and performs the delink.
 
 Owns: the current engine (pseudo, then real), the training state, the callback list, the in-process delink
-(gather full fp32 weights -> destroy -> build the real model in the working dtype, a parameter at a time -> new
-engine, its fp32 masters set from the gathered weights -> carry steps, LR schedule and the optimizer state per
-policy) and checkpoint save/load across stages. Sharing math lives in ``sharing``, trigger
+(gather full fp32 weights -> destroy -> build the real model in the working dtype, a parameter at a time, where it
+will train: the engine's device, granular offload's host_params layers in their host allocations -> new engine, its
+fp32 masters set from the gathered weights -> carry steps, LR schedule and the optimizer state per policy) and checkpoint save/load across stages. Sharing math lives in ``sharing``, trigger
 and policy math in ``transition``, DeepSpeed internals in ``ds_state``.
 """
 from __future__ import annotations
 
 import copy
+import ctypes
 import gc
 import os
 import shutil
+import sys
 import time
 import zlib
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -19,6 +21,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from . import checkpoint as ckpt
@@ -97,17 +100,34 @@ def _parameter_names(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tens
     return names
 
 
+def build_device() -> torch.device:
+    """Where the engine keeps the model: this rank's accelerator device as DeepSpeed's engine picks it (from
+    ``LOCAL_RANK``), the CPU on a CPU run. Building the model there spares the host a copy of it."""
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return torch.device("cpu")
+    return torch.device(accelerator.device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+
+
+def _cast(param: nn.Parameter, dtype: Optional[torch.dtype]) -> torch.dtype:
+    return dtype if dtype is not None and param.is_floating_point() else param.dtype
+
+
 def _give_storage(unit: nn.Module, names: Dict[int, str], made: Dict[int, nn.Parameter],
-                  weights: Optional[Dict[str, torch.Tensor]], dtype: Optional[torch.dtype]) -> None:
-    """Give the meta parameters of ``unit`` CPU storage (ties kept through ``made``), floating ones in ``dtype``
-    when given, each filled from ``weights`` as it is made."""
+                  weights: Optional[Dict[str, torch.Tensor]], dtype: Optional[torch.dtype],
+                  device: Optional[torch.device] = None, views: Optional[Dict[int, torch.Tensor]] = None) -> None:
+    """Give the meta parameters of ``unit`` storage on ``device`` (the CPU when None; ties kept through ``made``),
+    or the view ``views`` holds for it, floating ones in ``dtype`` when given, each filled from ``weights`` as it is
+    made."""
     for module in unit.modules():
         for key, param in list(module._parameters.items()):
             if param is None or (id(param) not in made and param.device.type != "meta"):
                 continue
             if id(param) not in made:
-                cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
-                real = parameter_like(param, torch.empty_like(param, device="cpu", dtype=cast))
+                storage = (views or {}).get(id(param))
+                if storage is None:
+                    storage = torch.empty_like(param, device=device or "cpu", dtype=_cast(param, dtype))
+                real = parameter_like(param, storage)
                 if weights is not None:
                     with torch.no_grad():
                         real.copy_(weights[names[id(param)]])
@@ -116,13 +136,38 @@ def _give_storage(unit: nn.Module, names: Dict[int, str], made: Dict[int, nn.Par
 
 
 def materialize(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]],
-                dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """Give the skeleton's parameters real CPU storage (ties kept), filled from ``weights`` when given, in ``dtype``
-    (floating parameters; the engine's working dtype, which DeepSpeed would cast them to) or their own: each
-    parameter is made and filled in turn, so the host never holds the model in a wider dtype than it trains in."""
+                dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
+                views: Optional[Dict[int, torch.Tensor]] = None) -> nn.Module:
+    """Give the skeleton's parameters real storage on ``device`` (the CPU when None; ties kept), or the storage
+    ``views`` holds for a parameter's id (granular offload's host layers), filled from ``weights`` when given, in
+    ``dtype`` (floating parameters; the engine's working dtype, which DeepSpeed would cast them to) or their own:
+    each parameter is made and filled in turn, so the model is never held in a wider dtype than it trains in, nor
+    anywhere but where it will train."""
     names = _parameter_names(skeleton, weights)
-    _give_storage(skeleton, names, {}, weights, dtype)
+    _give_storage(skeleton, names, {}, weights, dtype, device, views)
     return skeleton
+
+
+def _libc_malloc_trim():
+    """glibc's ``malloc_trim``, or None (not Linux, or a C library without it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+def return_freed_host_memory() -> None:
+    """Give the host memory the process freed back to the OS (glibc ``malloc_trim``; elsewhere nothing). glibc
+    keeps freed blocks below its mmap threshold (which it raises up to 32 MiB as large blocks are freed) in its heaps,
+    so the pseudo engine's tensors and the per-parameter buffers the engine build frees would otherwise stay resident
+    while the real stage's (larger, freshly mapped) buffers are allocated next to them."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def parameter_numel(model: nn.Module) -> int:
@@ -260,10 +305,8 @@ class PseudoToRealController:
             from .offload import build_offload_optimizer, describe_offload_plan
 
             self._refuse_model_parallelism()
-            world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-            data_parallel = getattr(self._mpu, "get_data_parallel_world_size", lambda: world)()  # ZeRO's ranks
             client, ds_config, plan = build_offload_optimizer(model, self.full_ds_config, self.layer_path,
-                                                              data_parallel)
+                                                              self._data_parallel_size())
             if client is not None:
                 optimizer, params = client, None
                 self.offload_plan = plan
@@ -412,9 +455,12 @@ class PseudoToRealController:
             out[name] = (value.float() + scale * value.float().std() * noise).to(value.dtype)
         return out
 
-    def _build_engine(self, depth: int, groups: int, weights: Optional[Dict[str, torch.Tensor]]) -> None:
+    def _build_engine(self, depth: int, groups: int, weights: Optional[Dict[str, torch.Tensor]]) -> Dict[str, float]:
         """The model of ``depth`` layers in ``groups`` parameter sets (``num_layers`` twice: the real model) from the
-        skeleton, with ``weights`` (every layer's names) or uninitialized storage, and its engine."""
+        skeleton, with ``weights`` (every layer's names) or uninitialized storage, and its engine; returns the
+        seconds of its phases (``model``: storage and values, ``engine``: ``deepspeed.initialize``, ``masters``: the
+        fp32 masters set from ``weights``)."""
+        start = time.perf_counter()
         skeleton = copy_with_parameters(self._skeleton, lambda p: parameter_like(p, torch.empty_like(p)))
         delink_layers(skeleton, self.layer_path)
         if depth < self.num_layers:
@@ -422,21 +468,47 @@ class PseudoToRealController:
         if groups < depth:
             apply_sharing(skeleton, self.layer_path, groups)
         dtype = working_dtype(self.ds_config)
+        device = build_device()
         if (self.ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
-            model = self._materialize_partitioned(skeleton, weights, dtype)
+            model = self._materialize_partitioned(skeleton, weights, dtype, device)
         else:
-            model = materialize(skeleton, weights, dtype)
+            model = materialize(skeleton, weights, dtype, device, self._host_param_views(skeleton, dtype, device))
+        built = time.perf_counter()
         self.depth, self.groups = depth, groups
         self.state.groups = groups
         self.state.stage = REAL if (depth, groups) == (self.num_layers, self.num_layers) else PSEUDO
         self.engine, self.optimizer, _, self.lr_scheduler = self._initialize(model)
+        initialized = time.perf_counter()
         if weights is not None and dtype != torch.float32:
             # DeepSpeed made the fp32 masters from the working-dtype parameters, rounded: give them the full values
             for name, param in self.engine.module.named_parameters():
                 ds_state.set_full_fp32_param(self.engine, param, weights[name])
+        return {"model": round(built - start, 3), "engine": round(initialized - built, 3),
+                "masters": round(time.perf_counter() - initialized, 3)}
+
+    def _host_param_views(self, skeleton: nn.Module, dtype: torch.dtype, device: torch.device
+                          ) -> Optional[Dict[int, torch.Tensor]]:
+        """Host storage for the layers granular offload will plan at ``host_params`` (pinned as it pins them), laid
+        out as its ``HostParamStore`` keeps them, so that they are built in their final place; None without the
+        section."""
+        if "granular_offload" not in self.full_ds_config:
+            return None
+        from .offload import host_params_placement
+        from .offload.params import host_param_views
+
+        ids, pin = host_params_placement(skeleton, self.full_ds_config, self.layer_path, self._data_parallel_size())
+        if not ids:
+            return None
+        return host_param_views(get_layer_list(skeleton, self.layer_path), ids, lambda p: _cast(p, dtype),
+                                pin and device.type == "cuda")
+
+    def _data_parallel_size(self) -> int:
+        """The ranks ZeRO partitions over (the mpu's data-parallel group, else the world)."""
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        return getattr(self._mpu, "get_data_parallel_world_size", lambda: world)()
 
     def _materialize_partitioned(self, skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]],
-                                 dtype: torch.dtype) -> nn.Module:
+                                 dtype: torch.dtype, device: Optional[torch.device] = None) -> nn.Module:
         """ZeRO-3: give the skeleton storage one layer at a time (then the rest), in the engine's dtype, and hand
         each to ``deepspeed.zero.Init(module=...)``, which keeps this rank's partition and frees the rest, so that a
         rank never holds more than one layer of the model in full."""
@@ -444,13 +516,13 @@ class PseudoToRealController:
         names = _parameter_names(skeleton, weights)
         made: Dict[int, nn.Parameter] = {}
         for unit in [*get_layer_list(skeleton, self.layer_path), skeleton]:
-            _give_storage(unit, names, made, weights, dtype)
+            _give_storage(unit, names, made, weights, dtype, device)
             deepspeed.zero.Init(module=unit, config_dict_or_path=self.ds_config, dtype=dtype, mpu=self._mpu)
         del planned
         return skeleton
 
-    def _build_real_engine(self, real_weights: Optional[Dict[str, torch.Tensor]]) -> None:
-        self._build_engine(self.num_layers, self.num_layers, real_weights)
+    def _build_real_engine(self, real_weights: Optional[Dict[str, torch.Tensor]]) -> Dict[str, float]:
+        return self._build_engine(self.num_layers, self.num_layers, real_weights)
 
     @property
     def next_stage(self) -> Optional[Tuple[int, int]]:
@@ -475,6 +547,7 @@ class PseudoToRealController:
         ds_state.retire_module(module, RETIRED_MODULE)
         self.engine = self.optimizer = self.lr_scheduler = None
         gc.collect()
+        return_freed_host_memory()
 
     def delink(self) -> Dict[str, Any]:
         """Turn the pseudo engine into the next stage's, in process: the real one, or with a progressive schedule
@@ -482,7 +555,14 @@ class PseudoToRealController:
         starting from the group's values); returns (and logs) what was done."""
         if self.next_stage is None:
             raise RuntimeError(f"delink() called in the {self.state.stage} stage, with no stage after it")
-        start = time.perf_counter()
+        start = clock = time.perf_counter()
+        phases: Dict[str, float] = {}
+
+        def lap(name: str) -> None:  # seconds since the previous phase ended
+            nonlocal clock
+            now = time.perf_counter()
+            phases[name], clock = round(now - clock, 3), now
+
         old = self.engine
         policy = self.config.optimizer_state
         pseudo_numel = parameter_numel(old.module)
@@ -494,7 +574,9 @@ class PseudoToRealController:
         scheduler_state = old.lr_scheduler.state_dict() if old.lr_scheduler is not None else None
         steps = {k: getattr(old, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
         del old
+        lap("gather")
         self._release_engine()
+        lap("release")
         old, new = (self.depth, self.groups), self.next_stage
         (old_depth, old_groups), (new_depth, new_groups) = old, new
         every_layer = [name for name, _ in self._skeleton.named_parameters(remove_duplicate=False)]
@@ -505,8 +587,11 @@ class PseudoToRealController:
         starts = {name: weights[source] for name, source in sources.items() if source in weights}
         if self.config.delink_noise:
             starts = self._break_symmetry(starts, self.config.delink_noise)
-        self._build_engine(new_depth, new_groups, starts)
+        lap("starts")
+        phases.update(self._build_engine(new_depth, new_groups, starts))
         del weights, starts
+        clock = time.perf_counter()
+        return_freed_host_memory()  # the per-parameter tensors DeepSpeed flattened or partitioned, freed in the build
         self.state.transitions_done += 1
         engine = self.engine
         for key, value in steps.items():
@@ -525,6 +610,7 @@ class PseudoToRealController:
                 if source in starts:
                     ds_state.set_full_moments(engine, param, starts[source])
                     carried += 1
+        lap("carry")  # steps, LR schedule and the optimizer state
         self.state.switch_step = self.engine.global_steps
         report = {
             "step": self.engine.global_steps,
@@ -540,6 +626,7 @@ class PseudoToRealController:
             "memory_before": pseudo_memory,
             "memory_after": ds_state.memory_report(engine),
             "rewarmup_steps": self.config.rewarmup_steps,
+            "phases": phases,
         }
         if pseudo_plan is not None or self.offload_plan is not None:
             report["offload_plan_before"] = pseudo_plan
@@ -558,6 +645,7 @@ class PseudoToRealController:
             f"parameter groups {report['groups_before']} -> {report['groups_after']}"
             + (f", layers {report['layers_before']} -> {report['layers_after']} (stacked)"
                if report["layers_before"] != report["layers_after"] else "")
+            + " (" + ", ".join(f"{name} {seconds:.2f}s" for name, seconds in report.get("phases", {}).items()) + ")"
         )
         rank = dist.get_rank() if dist.is_initialized() else 0
         for when in ("before", "after"):

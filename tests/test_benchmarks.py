@@ -246,6 +246,9 @@ def test_delink_benchmark_m6_10t_host_figure_from_the_parameter_counts():
     # 48 layers x (14,684,160 dense + 10,240 / 512 experts x 20,447,232) + 22,161,408 embedding parameters
     assert plan["layer_parameters_per_rank"] == 14_684_160 + 20 * 20_447_232 == 423_628_800
     assert plan["rank_real_parameters"] == 22_161_408 + 48 * 423_628_800 == 20_356_343_808
-    assert plan["host_bytes_per_rank_today"] == 4 * 20_356_343_808 + 12 * (22_161_408 + 423_628_800)
+    gathered = 12 * (22_161_408 + 423_628_800)  # fp32 weights and two moments of the rank's pseudo parameters
+    assert plan["host_bytes_per_rank_fp32_host_build"] == 4 * 20_356_343_808 + gathered
+    assert plan["host_bytes_per_rank_bf16_host_build"] == 2 * 20_356_343_808 + gathered
+    assert plan["host_bytes_per_rank_today"] == gathered
     assert plan["host_bytes_per_node_today"] == 8 * plan["host_bytes_per_rank_today"]
     assert delink.rss_bytes() > 0 and delink.rss_bytes("VmHWM") >= delink.rss_bytes()

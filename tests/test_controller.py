@@ -182,6 +182,11 @@ def test_transition_reports_per_rank_bytes_of_both_models():
         # ZeRO-1 on one rank: one flat fp32 partition, padded to a multiple of 2 elements; Adam keeps two moments.
         assert 4 * numel <= memory["fp32_master"] <= 4 * (numel + 1)
         assert memory["optimizer_state"] == 2 * memory["fp32_master"]
+    # where the delink's time went, in order, adding up to its total (each rounded to the millisecond)
+    phases = report["phases"]
+    assert list(phases) == ["gather", "release", "starts", "model", "engine", "masters", "carry"]
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert abs(sum(phases.values()) - report["seconds"]) <= 0.01 + 0.002 * len(phases)
     engine.engine.destroy()
 
 
@@ -203,3 +208,26 @@ def test_moments_deepspeed_cannot_give_stop_the_delink_instead_of_resetting(monk
                                            r"optimizer has stepped \(KeyError: 'exp_avg'\); the delink would silently"):
         engine.step()
     engine.engine.destroy()
+
+
+def test_the_model_is_built_on_the_device_the_engine_trains_on(monkeypatch):
+    """The delink builds the real model where DeepSpeed's engine keeps it (this rank's accelerator device, from
+    LOCAL_RANK), so the host never holds it; on a CPU run, on the CPU."""
+    from ds_pseudo_real import controller
+
+    assert controller.build_device() == torch.device("cpu")
+
+    class Accelerator:  # what DeepSpeed's CUDA accelerator answers
+        def device_name(self, index=None):
+            return "cuda" if index is None else f"cuda:{index}"
+
+    monkeypatch.setattr(controller, "get_accelerator", Accelerator)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert controller.build_device() == torch.device("cuda", 3)
+    # materialize makes each parameter on the device it is given (meta stands in for one this machine lacks),
+    # ties kept, and fills it there
+    skeleton = controller.meta_skeleton(tiny_gpt())
+    weights = {name: torch.ones(p.shape) for name, p in tiny_gpt().named_parameters()}
+    built = controller.materialize(skeleton, weights, torch.bfloat16, torch.device("meta"))
+    assert {(p.device.type, p.dtype) for p in built.parameters()} == {("meta", torch.bfloat16)}
+    assert len(list(built.parameters())) == len(list(tiny_gpt().parameters()))

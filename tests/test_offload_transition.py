@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 
 import ds_pseudo_real
+from ds_pseudo_real import ds_state
+from ds_pseudo_real.offload.params import in_one_allocation
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from delink_matrix import BeforeDelink, config, eval_loss, fixed_batch, tiny_gpt  # noqa: E402
@@ -30,9 +32,25 @@ def run(levels_or_budget, stage=1, steps=6, clipping=None):
         losses.append(loss.item())
         if stage == "pseudo" and engine.stage == "real":
             plans.append(engine.offload_plan)
-            report = dict(engine.last_transition, pre=before_delink.seen["loss"], post=eval_loss(engine, fixed_batch(99)))
+            report = dict(engine.last_transition, pre=before_delink.seen["loss"], post=eval_loss(engine, fixed_batch(99)),
+                          host=host_layout(engine))
     engine.engine.destroy()
     return plans, losses, report
+
+
+def host_layout(engine):
+    """The real model's host_params layers as its HostParamStore holds them: bytes it copied into allocations of
+    its own, and per layer whether the layer's params fill one host allocation, in order (None: no such layer)."""
+    store = ds_state.basic_optimizer(engine.engine).host_params
+    if store is None:
+        return None
+    layers = {}
+    for i, layer in enumerate(engine.module.layers):
+        params = [p for p in layer.parameters() if p in store._host]
+        if params:
+            assert all(store.host_tensor(p).data_ptr() == p.data_ptr() for p in params)  # between uses: on the host
+            layers[i] = in_one_allocation(params, pinned=False)
+    return {"repacked_bytes": store.repacked_bytes, "layers": layers}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -58,6 +76,9 @@ def test_host_params_level_after_the_delink_matches_all_device():
     assert report["pre"] == report["post"]
     assert set(plans[0].levels().values()) == {"device"}
     assert "host_params" in plans[1].levels().values()
+    # the delink built the host_params layers in their host allocations: the store copied nothing
+    assert report["host"]["repacked_bytes"] == 0 and report["host"]["layers"]
+    assert all(report["host"]["layers"].values())
     _, reference, _ = run({"device_memory": "1GiB"}, stage=0)
     assert losses == reference
 
@@ -74,6 +95,7 @@ def test_host_params_outside_deepspeed_across_the_delink(stage):
     assert plans[0].levels()["layer0"] == "host_params"
     assert [plans[1].level_of(f"layer{i}").value for i in range(4)] == ["host_params", "device", "host_params",
                                                                        "host_params"]
+    assert report["host"] == {"repacked_bytes": 0, "layers": {0: True, 2: True, 3: True}}
     _, reference, _ = run({"device_memory": "1GiB"}, stage, clipping=0.0)
     assert losses == reference
     _, clipped, _ = run(levels, stage)

@@ -10,7 +10,9 @@
 #   2. the planner's pinned-memory rounding and side-stream pool, measured (benchmarks/gpu/byte_model.py); then
 #      step time and peak device memory (the granular one against the plan) of no offload, ZeRO-2 + full
 #      offload_optimizer, ZeRO-3 + ratio and the granular plan for a 1.2B-parameter GPT in bf16 under a 12 GB
-#      budget (all resident it needs 18 GiB), each arm's step time over granular's printed side by side.
+#      budget (all resident it needs 18 GiB), each arm's step time over granular's printed side by side;
+#   3. the delink on the device (tests/scripts/delink_matrix.py --check): ZeRO 0-3, fp32 and bf16, the real model
+#      built where the engine trains.
 # Without CUDA it runs step 1 on the CPU only. Usage: bash benchmarks/gpu/check.sh [BUNDLE_DIR, default .whl]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -73,6 +75,9 @@ step 120 host_params "$PY" benchmarks/offload.py "${host_params[@]}" --out "$OUT
 real_run=(--gradient-accumulation 2 --skip-step 3 --steps 4)
 step 120 host_params_ckpt_ga2_skip "$PY" benchmarks/offload.py "${host_params[@]}" "${real_run[@]}" \
   --checkpoint-activations non-reentrant --out "$OUT/offload_host_params_ckpt_ga2_skip.json"
+# the delink building the real model on the device it trains on (the host never holding it): every ZeRO stage and
+# dtype on one rank, the loss across it, the fp32 masters and moments carried, the parameters' device
+step 150 delink_on_device "$PY" -m torch.distributed.run --nproc_per_node 1 tests/scripts/delink_matrix.py --check
 if [ "$cuda" = 1 ]; then
   # the planner's pinned-memory rounding and side-stream pool, measured (seconds)
   step 60 byte_model "$PY" benchmarks/gpu/byte_model.py --out "$OUT/byte_model.json"

@@ -5,7 +5,7 @@ is the one step taken on the engine built with them (through ``ds_pseudo_real.ds
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import is_moe_param
@@ -14,7 +14,9 @@ from torch import nn
 
 from ds_pseudo_real import ds_state
 from ds_pseudo_real.config import ConfigError
-from ds_pseudo_real.offload.config import SECTION, explicit_levels, parse_granular_offload, training_setup
+from ds_pseudo_real.offload.config import (
+    SECTION, GranularOffloadConfig, explicit_levels, parse_granular_offload, training_setup,
+)
 from ds_pseudo_real.offload.optimizer import GranularOffloadOptimizer
 from ds_pseudo_real.offload.planner import (
     EXPERTS, OTHER, GroupSize, OffloadPlan, PlacementLevel, PlanError, describe_plan, place, plan_placement,
@@ -108,6 +110,31 @@ def adam_arguments(ds_config: Mapping[str, Any]) -> Dict[str, Any]:
     return {**params, "adamw_mode": bool(adamw_mode)}
 
 
+def _plan(model: nn.Module, ds_config: Mapping[str, Any], section: GranularOffloadConfig, layer_path: str,
+          world_size: int) -> Tuple[List[GroupSize], List[List[nn.Parameter]], OffloadPlan]:
+    sizes, params = model_groups(model, layer_path, world_size)
+    setup = training_setup(ds_config, section, world_size, len(get_layer_list(model, layer_path)))
+    if section.levels is not None:
+        plan = place(sizes, explicit_levels(section, sizes, len(get_layer_list(model, layer_path))), setup)
+    else:
+        plan = plan_placement(sizes, setup, section.device_memory, PlacementLevel(section.max_level))
+    return sizes, params, plan
+
+
+def host_params_placement(model: nn.Module, ds_config: Mapping[str, Any], layer_path: str, world_size: int
+                          ) -> Tuple[Set[int], bool]:
+    """The ids of the parameters of ``model`` (a meta skeleton will do) that :func:`build_offload_optimizer` will
+    plan at ``host_params``, and whether it pins them: what a model builder needs to give those layers their host
+    storage directly (``offload.params.host_param_views``). Empty without an enabled ``granular_offload`` section."""
+    section = parse_granular_offload(ds_config)
+    if section is None:
+        return set(), False
+    sizes, params, plan = _plan(model, ds_config, section, layer_path, world_size)
+    ids = {id(p) for size, ps in zip(sizes, params) if plan.level_of(size.name) is PlacementLevel.HOST_PARAMS
+           for p in ps}
+    return ids, section.pin_memory
+
+
 def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], layer_path: str, world_size: int
                             ) -> Tuple[Optional[GranularOffloadOptimizer], Dict[str, Any], Optional[OffloadPlan]]:
     """Plan placement for ``model`` and build the client optimizer for ``deepspeed.initialize``.
@@ -138,12 +165,7 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
     if section is None:
         return None, ds_config, None
     ds_state.check_versions("granular_offload")
-    sizes, params = model_groups(model, layer_path, world_size)
-    setup = training_setup(ds_config, section, world_size, len(get_layer_list(model, layer_path)))
-    if section.levels is not None:
-        plan = place(sizes, explicit_levels(section, sizes, len(get_layer_list(model, layer_path))), setup)
-    else:
-        plan = plan_placement(sizes, setup, section.device_memory, PlacementLevel(section.max_level))
+    sizes, params, plan = _plan(model, ds_config, section, layer_path, world_size)
     groups = [param_group(size, ps, plan.level_of(size.name)) for size, ps in zip(sizes, params)]
     fetched = [g for g in groups if g["level"] == PlacementLevel.HOST_PARAMS.value]
     host_params = None

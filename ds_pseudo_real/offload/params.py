@@ -15,7 +15,7 @@ layers are fetched at any time: the one in use and the next one (prefetched).
 from __future__ import annotations
 
 import enum
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -81,6 +81,41 @@ class EndOfBackward:
         self._callback()
 
 
+def in_one_allocation(params: Sequence[nn.Parameter], pinned: bool) -> bool:
+    """Whether ``params`` are consecutive views, in order, filling one host allocation (pinned as asked): the
+    layout :class:`HostParamStore` packs a layer's host params into."""
+    first = params[0].data
+    storage = first.untyped_storage()
+    offset = 0
+    for p in params:
+        t = p.data
+        if (t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr()
+                or t.storage_offset() != offset):
+            return False
+        offset += t.numel()
+    return first.is_pinned() == pinned and offset * first.element_size() == storage.nbytes()
+
+
+def host_param_views(layers: Sequence[nn.Module], host_ids: Set[int], dtype_of: Callable[[nn.Parameter], torch.dtype],
+                     pin_memory: bool) -> Dict[int, torch.Tensor]:
+    """Storage for the host params of a model about to be built: per layer and dtype one host allocation (pinned
+    when ``pin_memory``), each param (``id`` in ``host_ids``, in dtype ``dtype_of(param)``) a view of it in the
+    order :class:`HostParamStore` packs them, so that the store takes them as they are instead of copying them into
+    its own allocation. Returns {id of the (meta) param: its view}; a param shared by several layers gets its
+    storage with the first."""
+    views: Dict[int, torch.Tensor] = {}
+    for layer in layers:
+        params = [p for p in layer.parameters() if id(p) in host_ids and id(p) not in views]
+        for dtype in dict.fromkeys(dtype_of(p) for p in params):
+            todo = [p for p in params if dtype_of(p) == dtype]
+            flat = torch.empty(sum(p.numel() for p in todo), dtype=dtype, device="cpu", pin_memory=pin_memory)
+            offset = 0
+            for p in todo:
+                views[id(p)] = flat[offset:offset + p.numel()].view(p.shape)
+                offset += p.numel()
+    return views
+
+
 class HostParamStore:
     """Keeps the parameters in ``host_param_lists`` on the host and serves them to the layers that use them.
 
@@ -108,6 +143,7 @@ class HostParamStore:
         self._pin = pin_memory and self._cuda
         self._host: Dict[nn.Parameter, torch.Tensor] = {}
         self._packed = set()  # params whose host copy is a view of their layer's allocation
+        self.repacked_bytes = 0  # copied into new host allocations by _pack (0: the layers were built in place)
         for params in self._entries:
             self._pack(params)
         self.state: List[Residency] = [Residency.ON_HOST] * len(self._entries)
@@ -267,6 +303,12 @@ class HostParamStore:
             todo = [p for p in params if p.dtype == dtype and p not in self._packed]
             if not todo:
                 continue
+            if in_one_allocation(todo, self._pin):  # built in place (``host_param_views``): nothing to copy
+                for p in todo:
+                    self._host[p] = p.data
+                    self._packed.add(p)
+                continue
+            self.repacked_bytes += sum(p.numel() for p in todo) * todo[0].element_size()
             flat = torch.empty(sum(p.numel() for p in todo), dtype=dtype, device="cpu", pin_memory=self._pin)
             offset = 0
             for p in todo:

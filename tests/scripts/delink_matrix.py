@@ -1,5 +1,7 @@
 """Delink on every ZeRO stage and dtype: loss on a fixed batch right before and after, moments carried, the fp32
-masters carried exactly (bf16 included), Adam step counter. Imported by the single-rank test; run under torchrun for 2 ranks (prints JSON lines on rank 0)."""
+masters carried exactly (bf16 included), Adam step counter, the real model built where the engine trains. Imported by
+the single-rank test; run under torchrun for 2 ranks (prints JSON lines on rank 0), or with ``--check`` (the GPU check:
+each case checked on every rank, exit status 1 if one fails)."""
 import json
 import sys
 
@@ -38,10 +40,15 @@ def fixed_batch(seed):
     return x, x.roll(-1, 1)
 
 
+def on_device(engine, batch):
+    """``batch`` where the engine's model is (DeepSpeed leaves the inputs where they are)."""
+    return tuple(t.to(engine.device) for t in batch)
+
+
 def eval_loss(engine, batch):
     engine.eval()
     with torch.no_grad():
-        loss = engine(*batch).float().item()
+        loss = engine(*on_device(engine, batch)).float().item()
     engine.train()
     return loss
 
@@ -82,7 +89,7 @@ def run_case(stage, dtype, policy):
     before = BeforeDelink(ref, probe, masters=True)
     engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(stage, dtype, policy), callbacks=[before])
     ref[0] = engine
-    train = fixed_batch(1 + rank)
+    train = on_device(engine, fixed_batch(1 + rank))
     losses = []
     for _ in range(SWITCH + 3):
         loss = engine(*train)
@@ -106,9 +113,31 @@ def run_case(stage, dtype, policy):
         "moments_ok": moments_ok, "masters_differ": masters_differ, "adam_step": None if step is None else float(step), "pseudo_adam_step": before.seen["adam_step"],
         "global_steps": engine.global_steps, "final_stage": engine.stage, "losses": losses,
         "params_after": ds_pseudo_real.controller.parameter_numel(engine.module),
+        # where the real model's parameters (this rank's ZeRO-3 partitions) are, and where the engine trains
+        "devices": sorted({getattr(p, "ds_tensor", p).device.type for p in engine.module.parameters()}),
+        "engine_device": torch.device(engine.device).type,
     }
     engine.engine.destroy()
     return result
+
+
+def check(result):
+    """Raise AssertionError naming the case when ``result`` breaks what the delink promises."""
+    tag = f"ZeRO-{result['stage']} {result['dtype']} {result['policy']}"
+    if result["dtype"] == "fp32":
+        assert result["pre"] == result["post"], f"{tag}: loss changed across the delink {result['pre']} -> {result['post']}"
+    else:
+        assert abs(result["pre"] - result["post"]) <= 2**-7 * abs(result["pre"]), f"{tag}: {result}"
+    assert result["moments_ok"], f"{tag}: optimizer state not carried per policy"
+    # The real model's fp32 masters are the pseudo masters, not their rounding to the working dtype.
+    assert not result["masters_differ"], f"{tag}: fp32 masters not carried exactly: {result['masters_differ'][:3]}"
+    # The step counter continues from the pseudo optimizer's (bias correction unchanged); reset starts over.
+    assert result["adam_step"] == (None if result["policy"] == "reset" else result["pseudo_adam_step"]), tag
+    assert result["pseudo_adam_step"] is not None and result["pseudo_adam_step"] >= SWITCH, tag
+    assert result["final_stage"] == "real" and result["global_steps"] == SWITCH + 3, tag
+    expected_params = sum(p.numel() for p in tiny_gpt().parameters())
+    assert result["params_after"] == expected_params, tag
+    assert result["devices"] == [result["engine_device"]], f"{tag}: real model on {result['devices']}"
 
 
 def matrix():
@@ -121,9 +150,17 @@ if __name__ == "__main__":
     deepspeed.init_distributed()
     import ds_pseudo_real.controller  # noqa: F401
 
+    failed = 0
     for case in matrix():
         out = run_case(*case)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(out), flush=True)
+        if "--check" in sys.argv[1:]:  # the GPU check: each case's verdict, and the exit status
+            try:
+                check(out)
+                print(f"rank {dist.get_rank()} ok: {case}", flush=True)
+            except AssertionError as error:
+                failed += 1
+                print(f"rank {dist.get_rank()} FAILED: {case}: {error}", flush=True)
     dist.destroy_process_group()  # before exit: gloo's threads torn down at interpreter exit can abort the process
-    sys.exit(0)
+    sys.exit(1 if failed else 0)
