@@ -4,7 +4,13 @@ ZeRO 1/2/3 (measured side by side in one run); plus the M6-10T figure from the b
 
 Per rank, after one pseudo step:
 - ``delink_over_copy``: the delink's seconds / the seconds of one clone of the real parameters this rank builds
-  (fp32, the same shapes; a fresh allocation, pages touched, as the delink's are);
+  (fp32, the same shapes; tensors of at most 32 MiB come from pages the allocator kept, larger ones are freshly
+  mapped, so for small models this is a warm copy);
+- ``delink_over_touch``: the delink's seconds / the seconds of writing, once, fresh allocations of the bytes the
+  delink brings into being (the rank's parameters, fp32 masters and optimizer state): the traffic any build of
+  the real stage pays, page faults included;
+- ``phases``: the delink's own account of its seconds (``last_transition["phases"]``: gather, release, starts,
+  model, engine, masters, carry);
 - ``peak_host_over_real``: (peak RSS during the delink - the RSS of the process before any model existed) / the
   rank's real-stage bytes (parameters, gradients, fp32 master and optimizer state, DeepSpeed's own accounting; on a
   CPU run they all live on the host). The peak is the kernel's high-water mark, reset just before the delink;
@@ -22,6 +28,7 @@ A rank row reports the worst rank. A configuration DeepSpeed refuses (its MoE un
     python benchmarks/delink.py            # ~4 min on 2 CPU cores; writes benchmarks/results/delink.json
     python benchmarks/delink.py --quick    # smaller models, 1 and 2 ranks, ZeRO 1 and 3 only
     python benchmarks/delink.py --dtype bf16 --zero 1,2 --models dense --out benchmarks/results/delink_bf16.json
+    python benchmarks/delink.py --size large --dtype bf16 --out benchmarks/results/delink_large_bf16.json
 """
 from __future__ import annotations
 
@@ -51,6 +58,12 @@ QUICK = {
     "dense": {"gpt": {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 16}},
     "moe": {"m6": {"preset": "m6-tiny", "seq_length": 16}},
 }
+LARGE = {  # sizes where the per-byte costs outweigh the engine's fixed ones: 202M and 143M real parameters
+    "dense": {"gpt": {"n_layer": 16, "d_model": 1024, "n_head": 8, "seq_len": 16}},
+    "moe": {"m6": {"preset": "m6-tiny", "num_layers": 8, "hidden_size": 512, "num_heads": 4, "expert_ffn_size": 2048,
+                   "seq_length": 16}},
+}
+SIZES = {"default": MODELS, "quick": QUICK, "large": LARGE}
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -69,7 +82,7 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def worker(model: str, zero: int, policy: str, quick: bool, dtype: str = "fp32") -> Dict:
+def worker(model: str, zero: int, policy: str, size: str, dtype: str = "fp32") -> Dict:
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -81,7 +94,7 @@ def worker(model: str, zero: int, policy: str, quick: bool, dtype: str = "fp32")
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     floor = rss_bytes()
-    section = json.loads(json.dumps((QUICK if quick else MODELS)[model]))
+    section = json.loads(json.dumps(SIZES[size][model]))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": zero},
               "pseudo_to_real": {"layers": "layers", "switch": {"at_step": 10**9}, "optimizer_state": policy},
@@ -120,11 +133,21 @@ def worker(model: str, zero: int, policy: str, quick: bool, dtype: str = "fp32")
         gc.collect()
     copy_s = sorted(copies)[1]
     del source
+    gc.collect()
+    # the bytes the delink brings into being (parameters, fp32 masters, optimizer state), each kind as one fresh
+    # allocation written once: the memory traffic no build of the real stage can avoid
+    made = [report["memory_after"][kind] for kind in ("parameters", "fp32_master", "optimizer_state")]
+    start = time.perf_counter()
+    touched = [torch.empty(n, dtype=torch.uint8).fill_(1) for n in made if n]
+    touch_s = time.perf_counter() - start
+    del touched
+    gc.collect()
     result = {
         "rank": rank, "world": world, "zero": zero, "model": model, "policy": policy, "dtype": dtype,
         "parameters_before": report["parameters_before"], "parameters_after": report["parameters_after"],
         "rank_real_parameters": sum(int(torch.Size(s).numel()) for s in shapes),
         "delink_s": report["seconds"], "copy_s": copy_s, "delink_over_copy": report["seconds"] / copy_s,
+        "phases": report["phases"], "touch_s": touch_s, "delink_over_touch": report["seconds"] / touch_s,
         "rss_floor": floor, "rss_before_delink": before, "peak_rss_during_delink": peak,
         "real_stage_bytes": real_bytes, "memory_after": report["memory_after"],
         "peak_host_over_real": None if peak is None else (peak - floor) / real_bytes,
@@ -174,13 +197,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_case(model: str, world: int, zero: int, policy: str, quick: bool, timeout: float, dtype: str = "fp32") -> Dict:
+def run_case(model: str, world: int, zero: int, policy: str, size: str, timeout: float, dtype: str = "fp32") -> Dict:
     """One configuration on ``world`` gloo ranks (torchrun); the worst rank's figures."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-           str(free_port()), __file__, "--worker", model, str(zero), policy, "--dtype", dtype] + (
-               ["--quick"] if quick else [])
+           str(free_port()), __file__, "--worker", model, str(zero), policy, "--dtype", dtype, "--size", size]
     case = {"model": model, "world": world, "zero": zero, "policy": policy, "dtype": dtype}
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
@@ -197,6 +219,8 @@ def run_case(model: str, world: int, zero: int, policy: str, quick: bool, timeou
             "parameters_after": ranks[0]["parameters_after"],
             "delink_s": max(r["delink_s"] for r in ranks), "copy_s": max(r["copy_s"] for r in ranks),
             "delink_over_copy": worst("delink_over_copy"), "peak_host_over_real": worst("peak_host_over_real"),
+            "touch_s": max(r["touch_s"] for r in ranks), "delink_over_touch": worst("delink_over_touch"),
+            "phases": max((r for r in ranks), key=lambda r: r["delink_s"])["phases"],
             "model_bytes_per_parameter": worst("model_bytes_per_parameter"),
             "model_storage_per_parameter": worst("model_storage_per_parameter"),
             "built_peak_over_real": worst("built_peak_over_real"),
@@ -204,27 +228,33 @@ def run_case(model: str, world: int, zero: int, policy: str, quick: bool, timeou
 
 
 def m6_10t_plan_only(world: int = 512, expert_parallel: int = 512, ranks_per_node: int = 8) -> Dict:
-    """Host bytes per rank the delink needs for M6-10T at ``world`` GPUs, from the parameter counts: today every
-    rank materializes its whole real model (its experts, all dense layers, the embedding) in fp32 on the host, next
-    to the gathered fp32 weights and both Adam moments of its pseudo model; the goal is the rank's real-stage host
-    bytes x 1.2 plus one layer (here without offload, so about one fp32 layer)."""
+    """Host bytes per rank the delink needs for M6-10T at ``world`` GPUs, from the parameter counts, without
+    offload. Every rank gathers its pseudo model's full fp32 weights and both Adam moments on the host (12 bytes per
+    pseudo parameter: its experts, the shared layer, the embedding). The real model it builds: in fp32 on the host
+    (the first delink), in the working dtype bf16 on the host (2 bytes per real parameter), or, as now, on the
+    device it trains on (``controller.build_device``: nothing on the host). The goal is the rank's real-stage host
+    bytes (none without offload) x 1.2 plus one layer (here one fp32 layer)."""
     from ds_pseudo_real.moe.architecture import M6_10T, embedding_parameters, layer_parameters
 
     layer = layer_parameters(M6_10T, expert_parallel)
     real = embedding_parameters(M6_10T) + M6_10T.num_layers * layer
     pseudo = embedding_parameters(M6_10T) + layer
-    today = 4 * real + 3 * 4 * pseudo
-    goal = 4 * layer
+    gathered = 3 * 4 * pseudo
     return {"world": world, "expert_parallel": expert_parallel, "rank_real_parameters": real,
             "rank_pseudo_parameters": pseudo, "layer_parameters_per_rank": layer,
-            "host_bytes_per_rank_today": today, "host_bytes_per_node_today": today * ranks_per_node,
-            "host_bytes_per_rank_goal_without_offload": goal, "ranks_per_node": ranks_per_node}
+            "host_bytes_per_rank_fp32_host_build": 4 * real + gathered,
+            "host_bytes_per_rank_bf16_host_build": 2 * real + gathered,
+            "host_bytes_per_rank_today": gathered, "host_bytes_per_node_today": gathered * ranks_per_node,
+            "host_bytes_per_rank_goal_without_offload": 4 * layer, "ranks_per_node": ranks_per_node}
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "ZERO", "POLICY"), help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="small models; ZeRO 1 and 3 only")
+    parser.add_argument("--size", choices=sorted(SIZES), default=None,
+                        help="model sizes: default (25M dense, 9.5M MoE), quick (as --quick), large (202M dense, "
+                             "143M MoE: about 8 GiB of host memory for the 2-rank ZeRO-1 MoE case)")
     parser.add_argument("--policy", default="scale", choices=("copy", "scale", "reset"))
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the engine's working dtype")
     parser.add_argument("--zero", help="ZeRO stages, comma-separated (default 1,2,3; --quick 1,3)")
@@ -236,9 +266,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    if args.size is None:
+        args.size = "quick" if args.quick else "default"
     if args.worker:
         model, zero, policy = args.worker
-        result = worker(model, int(zero), policy, args.quick, args.dtype)
+        result = worker(model, int(zero), policy, args.size, args.dtype)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     cases = []
@@ -246,27 +278,33 @@ def main(argv: Optional[List[str]] = None) -> int:
     for model in args.models.split(","):
         for world in (1, 2):
             for zero in stages:
-                case = run_case(model, world, zero, args.policy, args.quick, args.timeout, args.dtype)
+                case = run_case(model, world, zero, args.policy, args.size, args.timeout, args.dtype)
                 cases.append(case)
                 print(json.dumps({k: v for k, v in case.items() if k != "ranks"}), flush=True)
     plan = m6_10t_plan_only()
     gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
     rows = [[c["model"], c["world"], c["zero"], f"{c['parameters_before']:,} -> {c['parameters_after']:,}",
              f"{c['delink_s']:.2f}", f"{c['copy_s']:.3f}", f"{c['delink_over_copy']:.1f}",
+             f"{c['delink_over_touch']:.1f}", ", ".join(f"{k} {v:.2f}" for k, v in c["phases"].items()),
              "n/a" if c["peak_host_over_real"] is None else f"{c['peak_host_over_real']:.2f}",
              "n/a" if c["built_peak_over_real"] is None else f"{c['built_peak_over_real']:.2f}",
              f"{c['model_bytes_per_parameter']:.2f} ({c['model_storage_per_parameter']:.2f})",
              "yes" if c["freed"] else "NO"] if "error" not in c else
-            [c["model"], c["world"], c["zero"], "refused: " + c["error"], "", "", "", "", "", "", ""] for c in cases]
+            [c["model"], c["world"], c["zero"], "refused: " + c["error"], "", "", "", "", "", "", "", "", ""]
+            for c in cases]
     table = markdown_table(["model", "ranks", "ZeRO", "parameters", "delink s", "one copy s", "delink / copy",
+                            "delink / writing the real stage's bytes", "phases s",
                             "peak host / real-stage bytes", "of it when the engine is built",
                             f"built model ({args.dtype}), RSS (storage) bytes / parameter", "pseudo engine freed"],
                            rows)
     table += (f"\n\nM6-10T at {plan['world']} GPUs, EP {plan['expert_parallel']} (byte model, no run): each rank "
-              f"builds {plan['rank_real_parameters']:,} real parameters; the delink holds "
-              f"{gib(plan['host_bytes_per_rank_today'])} of host memory per rank today "
-              f"({gib(plan['host_bytes_per_node_today'])} per {plan['ranks_per_node']}-GPU node); the goal is about "
-              f"one fp32 layer, {gib(plan['host_bytes_per_rank_goal_without_offload'])}, without offload.")
+              f"builds {plan['rank_real_parameters']:,} real parameters from {plan['rank_pseudo_parameters']:,} "
+              f"pseudo ones; the delink holds {gib(plan['host_bytes_per_rank_today'])} of host memory per rank "
+              f"(the gathered fp32 pseudo weights and moments; {gib(plan['host_bytes_per_node_today'])} per "
+              f"{plan['ranks_per_node']}-GPU node) with the real model built on the device, against "
+              f"{gib(plan['host_bytes_per_rank_bf16_host_build'])} built on the host in bf16 and "
+              f"{gib(plan['host_bytes_per_rank_fp32_host_build'])} in fp32; the goal is about one fp32 layer, "
+              f"{gib(plan['host_bytes_per_rank_goal_without_offload'])}, without offload.")
     print(table, flush=True)
     write_json(args.out, {"args": vars(args), "cases": cases, "m6_10t_plan_only": plan, "table_markdown": table})
     return 0
