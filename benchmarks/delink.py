@@ -7,8 +7,8 @@ Per rank, after one pseudo step:
   (fp32, the same shapes; tensors of at most 32 MiB come from pages the allocator kept, larger ones are freshly
   mapped, so for small models this is a warm copy);
 - ``delink_over_touch``: the delink's seconds / the seconds of writing, once, fresh allocations of the bytes the
-  delink brings into being (the rank's parameters, fp32 masters and optimizer state): the traffic any build of
-  the real stage pays, page faults included;
+  delink brings into being (the rank's parameters, fp32 masters and optimizer state; median of 3): the traffic any
+  build of the real stage pays, page faults included;
 - ``phases``: the delink's own account of its seconds (``last_transition["phases"]``: gather, release, starts,
   model, engine, masters, carry);
 - ``peak_host_over_real``: (peak RSS during the delink - the RSS of the process before any model existed) / the
@@ -136,12 +136,16 @@ def worker(model: str, zero: int, policy: str, size: str, dtype: str = "fp32") -
     gc.collect()
     # the bytes the delink brings into being (parameters, fp32 masters, optimizer state), each kind as one fresh
     # allocation written once: the memory traffic no build of the real stage can avoid
+    # (median of 3: the first can land on memory the machine has never backed, as a VM backs it on first use)
     made = [report["memory_after"][kind] for kind in ("parameters", "fp32_master", "optimizer_state")]
-    start = time.perf_counter()
-    touched = [torch.empty(n, dtype=torch.uint8).fill_(1) for n in made if n]
-    touch_s = time.perf_counter() - start
-    del touched
-    gc.collect()
+    touches = []
+    for _ in range(3):
+        start = time.perf_counter()
+        touched = [torch.empty(n, dtype=torch.uint8).fill_(1) for n in made if n]
+        touches.append(time.perf_counter() - start)
+        del touched
+        gc.collect()
+    touch_s = sorted(touches)[1]
     result = {
         "rank": rank, "world": world, "zero": zero, "model": model, "policy": policy, "dtype": dtype,
         "parameters_before": report["parameters_before"], "parameters_after": report["parameters_after"],
@@ -197,12 +201,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_case(model: str, world: int, zero: int, policy: str, size: str, timeout: float, dtype: str = "fp32") -> Dict:
+def run_case(model: str, world: int, zero: int, policy: str, size: str, timeout: float, dtype: str = "fp32",
+             no_trim: bool = False) -> Dict:
     """One configuration on ``world`` gloo ranks (torchrun); the worst rank's figures."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-           str(free_port()), __file__, "--worker", model, str(zero), policy, "--dtype", dtype, "--size", size]
+           str(free_port()), __file__, "--worker", model, str(zero), policy, "--dtype", dtype, "--size", size] + (
+               ["--no-trim"] if no_trim else [])
     case = {"model": model, "world": world, "zero": zero, "policy": policy, "dtype": dtype}
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
@@ -260,6 +266,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--zero", help="ZeRO stages, comma-separated (default 1,2,3; --quick 1,3)")
     parser.add_argument("--models", default="dense,moe", help="comma-separated, of: " + ", ".join(MODELS))
     parser.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
+    parser.add_argument("--no-trim", action="store_true",
+                        help="keep freed host memory in the process (no malloc_trim in the delink): its effect")
+    parser.add_argument("--worlds", default="1,2", help="rank counts, comma-separated")
     parser.add_argument("--out", default=str(RESULTS / "delink.json"))
     return parser.parse_args(argv)
 
@@ -270,15 +279,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.size = "quick" if args.quick else "default"
     if args.worker:
         model, zero, policy = args.worker
+        if args.no_trim:
+            from ds_pseudo_real import controller
+
+            controller.return_freed_host_memory = lambda: None
         result = worker(model, int(zero), policy, args.size, args.dtype)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     cases = []
     stages = [int(z) for z in args.zero.split(",")] if args.zero else ((1, 3) if args.quick else (1, 2, 3))
     for model in args.models.split(","):
-        for world in (1, 2):
+        for world in (int(w) for w in args.worlds.split(",")):
             for zero in stages:
-                case = run_case(model, world, zero, args.policy, args.size, args.timeout, args.dtype)
+                case = run_case(model, world, zero, args.policy, args.size, args.timeout, args.dtype, args.no_trim)
                 cases.append(case)
                 print(json.dumps({k: v for k, v in case.items() if k != "ranks"}), flush=True)
     plan = m6_10t_plan_only()

@@ -163,7 +163,7 @@ def delink_vs_copy(args, corpus) -> Dict:
         "optimizer_state": report["optimizer_state"], "delink_s": report["seconds"],
         "copy_s_median": median(copies), "copy_s_all": copies,
         "delink_over_copy": report["seconds"] / median(copies), "pseudo_step_s": pseudo_step,
-        "memory_after_bytes": report["memory_after"],
+        "memory_after_bytes": report["memory_after"], "phases": report["phases"],
     }
 
 
@@ -183,6 +183,8 @@ def parse_args(argv=None):
     p.add_argument("--policy", default="scale", choices=("copy", "scale", "reset"))
     p.add_argument("--copy-repeats", type=int, default=3)
     p.add_argument("--skip-delink", action="store_true")
+    p.add_argument("--delink-only", action="store_true",
+                   help="only the delink against one copy (no step-overhead rounds) -> overhead_delink.json")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: no OpenMP spinning on a shared machine)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -200,7 +202,7 @@ def main(argv=None) -> int:
     corpus = ByteCorpus(max_bytes=1 << 20)
     started = time.perf_counter()
     result = {"machine": machine_description(), "args": vars(args) | {"out": str(args.out)}, "step_overhead": []}
-    for pseudo in (False, True):
+    for pseudo in (False, True) if not args.delink_only else ():
         result["step_overhead"].append(step_overhead(args, corpus, pseudo))
     rows = [[r["model"], f"{r['plain_step_s_median'] * 1e3:.1f}", f"{r['plugin_step_s_median'] * 1e3:.1f}",
              f"{r['ratio_median']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})",
@@ -212,14 +214,17 @@ def main(argv=None) -> int:
         d = delink_vs_copy(args, corpus)
         result["delink"] = d
         delink_table = markdown_table(
-            ["real params", "pseudo params", "policy", "delink s", "one copy of real params s", "delink / copy"],
+            ["real params", "pseudo params", "policy", "delink s", "one copy of real params s", "delink / copy",
+             "phases s"],
             [[f"{d['real_parameters']:,}", f"{d['parameters_before']:,}", d["optimizer_state"], f"{d['delink_s']:.2f}",
-              f"{d['copy_s_median']:.2f}", f"{d['delink_over_copy']:.1f}"]])
+              f"{d['copy_s_median']:.2f}", f"{d['delink_over_copy']:.1f}",
+              ", ".join(f"{k} {v:.2f}" for k, v in d["phases"].items())]])
         print(delink_table, flush=True)
         table += "\n\n" + delink_table
     result["elapsed_s"] = time.perf_counter() - started
     result["table_markdown"] = table
-    path = write_json(args.out / f"overhead{'_quick' if args.quick else ''}.json", result)
+    name = "overhead_delink" if args.delink_only else "overhead"
+    path = write_json(args.out / f"{name}{'_quick' if args.quick else ''}.json", result)
     print(f"wrote {path} ({result['elapsed_s']:.0f}s)")
     return 0
 
