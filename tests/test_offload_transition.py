@@ -23,6 +23,7 @@ def run(levels_or_budget, stage=1, steps=6, clipping=None):
     before_delink = BeforeDelink(ref, fixed_batch(99))
     engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=cfg, callbacks=[before_delink])
     ref[0] = engine
+    pseudo_host = host_layout(engine)
     plans, losses, report = [engine.offload_plan], [], None
     for _ in range(steps):
         loss = engine(*fixed_batch(1))
@@ -33,7 +34,7 @@ def run(levels_or_budget, stage=1, steps=6, clipping=None):
         if stage == "pseudo" and engine.stage == "real":
             plans.append(engine.offload_plan)
             report = dict(engine.last_transition, pre=before_delink.seen["loss"], post=eval_loss(engine, fixed_batch(99)),
-                          host=host_layout(engine))
+                          host=host_layout(engine), pseudo_host=pseudo_host)
     engine.engine.destroy()
     return plans, losses, report
 
@@ -96,6 +97,9 @@ def test_host_params_outside_deepspeed_across_the_delink(stage):
     assert [plans[1].level_of(f"layer{i}").value for i in range(4)] == ["host_params", "device", "host_params",
                                                                        "host_params"]
     assert report["host"] == {"repacked_bytes": 0, "layers": {0: True, 2: True, 3: True}}
+    # the pseudo model the caller built: its shared set copied once into the store's allocation, used by 4 layers
+    layer_bytes = 4 * sum(p.numel() for p in tiny_gpt().layers[0].parameters())
+    assert report["pseudo_host"] == {"repacked_bytes": layer_bytes, "layers": {0: True, 1: True, 2: True, 3: True}}
     _, reference, _ = run({"device_memory": "1GiB"}, stage, clipping=0.0)
     assert losses == reference
     _, clipped, _ = run(levels, stage)
