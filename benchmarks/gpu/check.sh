@@ -13,7 +13,13 @@
 #      budget (all resident it needs 18 GiB), each arm's step time over granular's printed side by side;
 #   3. the delink on the device (tests/scripts/delink_matrix.py --check): ZeRO 0-3, fp32 and bf16, the real model
 #      built where the engine trains.
-# Without CUDA it runs step 1 on the CPU only. Usage: bash benchmarks/gpu/check.sh [BUNDLE_DIR, default .whl]
+#   4. (only when CHECK_PARTS names it) convergence: the memory-bound regime of benchmarks/convergence.py trained on
+#      the device with real offload, 8 seeds (SEEDS), scratch and two switches, where a pseudo step (all on the
+#      device) is far cheaper than an offloaded real one: the GPU wall clock to scratch's final loss per seed
+#      (gpu_wall_to_target_ratio_to_scratch), within what is left of CHECK_SECONDS.
+# CHECK_PARTS (default "offload,delink") picks parts 1-2 (offload), 3 (delink) and 4 (convergence); e.g.
+# CHECK_PARTS=delink,convergence CHECK_SECONDS=540. Without CUDA it runs steps 1 and 3 on the CPU only.
+# Usage: bash benchmarks/gpu/check.sh [BUNDLE_DIR, default .whl]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BUNDLE="${1:-.whl}"
@@ -48,6 +54,8 @@ cuda=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
 # 10-minute device call; a step left without time is reported and counts as a failure
 DEADLINE=$((SECONDS + ${CHECK_SECONDS:-480}))
 status=0
+PARTS=",${CHECK_PARTS:-offload,delink},"
+want() { [[ "$PARTS" == *",$1,"* ]]; }  # want PART: whether CHECK_PARTS names it
 step() {  # step LIMIT_S NAME COMMAND...: run COMMAND for at most LIMIT_S seconds (less if the deadline is closer)
   local limit=$1 name=$2 left=$((DEADLINE - SECONDS))
   shift 2
@@ -59,35 +67,46 @@ step() {  # step LIMIT_S NAME COMMAND...: run COMMAND for at most LIMIT_S second
 # DeepSpeed's CPU Adam is compiled on first use: once here, so that no benchmark's time limit can kill the build
 # halfway (a killed build leaves a lock in TORCH_EXTENSIONS_DIR that the next process waits on)
 step 180 build_cpu_adam "$PY" -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
-# budgets that offload part of the 6.5M-parameter model (129 MB of fp32 params, gradients and Adam state under
-# ZeRO 2); on CUDA the plan adds its 26 MB reduce bucket and a 22 MiB allocator pool per side stream
-if [ "$cuda" = 1 ]; then budgets=(140MB 100MB); else budgets=(100MB 60MB); fi
-small=(--layers 8 --d-model 256)
-step 120 exactness "$PY" benchmarks/offload.py "${small[@]}" --device-memory "${budgets[0]}" --arms none,granular \
-  --out "$OUT/offload_exactness.json"
-# host_params under ZeRO 2: parameters fetched on a side stream, gradients streamed off in backward hooks
-host_params=("${small[@]}" --device-memory "${budgets[1]}" --max-level host_params --gradient-clipping 0
-  --arms none,granular)
-step 120 host_params "$PY" benchmarks/offload.py "${host_params[@]}" --out "$OUT/offload_host_params.json"
-# the paths a real run takes, at host_params: each layer recomputed in backward (the recompute fetches the layer
-# again), 2 micro-batches per step, and an inf gradient at step 3 that DeepSpeed and the offload groups must skip;
-# in fp32 (non-reentrant checkpointing) and, after the timing, bf16 (reentrant)
-real_run=(--gradient-accumulation 2 --skip-step 3 --steps 4)
-step 120 host_params_ckpt_ga2_skip "$PY" benchmarks/offload.py "${host_params[@]}" "${real_run[@]}" \
-  --checkpoint-activations non-reentrant --out "$OUT/offload_host_params_ckpt_ga2_skip.json"
-# the delink building the real model on the device it trains on (the host never holding it): every ZeRO stage and
-# dtype on one rank, the loss across it, the fp32 masters and moments carried, the parameters' device
-step 150 delink_on_device "$PY" -m torch.distributed.run --nproc_per_node 1 tests/scripts/delink_matrix.py --check
-if [ "$cuda" = 1 ]; then
-  # the planner's pinned-memory rounding and side-stream pool, measured (seconds)
-  step 60 byte_model "$PY" benchmarks/gpu/byte_model.py --out "$OUT/byte_model.json"
-  # step time and peak device memory (vs the plan) of every arm at the same 12 GB budget; ratios printed
-  step 300 timing "$PY" benchmarks/offload.py --layers 24 --d-model 2048 --seq-len 256 --micro-batch 2 --bf16 \
-    --device-memory 12GB --max-level host_params --arms all --out "$OUT/offload_gpu.json"
-else
-  echo "no CUDA device: step time and peak device memory skipped"
+if want offload; then
+  # budgets that offload part of the 6.5M-parameter model (129 MB of fp32 params, gradients and Adam state under
+  # ZeRO 2); on CUDA the plan adds its 26 MB reduce bucket and a 22 MiB allocator pool per side stream
+  if [ "$cuda" = 1 ]; then budgets=(140MB 100MB); else budgets=(100MB 60MB); fi
+  small=(--layers 8 --d-model 256)
+  step 120 exactness "$PY" benchmarks/offload.py "${small[@]}" --device-memory "${budgets[0]}" --arms none,granular \
+    --out "$OUT/offload_exactness.json"
+  # host_params under ZeRO 2: parameters fetched on a side stream, gradients streamed off in backward hooks
+  host_params=("${small[@]}" --device-memory "${budgets[1]}" --max-level host_params --gradient-clipping 0
+    --arms none,granular)
+  step 120 host_params "$PY" benchmarks/offload.py "${host_params[@]}" --out "$OUT/offload_host_params.json"
+  # the paths a real run takes, at host_params: each layer recomputed in backward (the recompute fetches the layer
+  # again), 2 micro-batches per step, and an inf gradient at step 3 that DeepSpeed and the offload groups must skip;
+  # in fp32 (non-reentrant checkpointing) and, after the timing, bf16 (reentrant)
+  real_run=(--gradient-accumulation 2 --skip-step 3 --steps 4)
+  step 120 host_params_ckpt_ga2_skip "$PY" benchmarks/offload.py "${host_params[@]}" "${real_run[@]}" \
+    --checkpoint-activations non-reentrant --out "$OUT/offload_host_params_ckpt_ga2_skip.json"
 fi
-step 120 host_params_ckpt_ga2_skip_bf16 "$PY" benchmarks/offload.py "${host_params[@]}" "${real_run[@]}" --bf16 \
-  --checkpoint-activations reentrant --out "$OUT/offload_host_params_ckpt_ga2_skip_bf16.json"
+if want delink; then
+  # the delink building the real model on the device it trains on (the host never holding it): every ZeRO stage and
+  # dtype on one rank, the loss across it, the fp32 masters and moments carried, the parameters' device
+  step 150 delink_on_device "$PY" -m torch.distributed.run --nproc_per_node 1 tests/scripts/delink_matrix.py --check
+fi
+if want offload; then
+  if [ "$cuda" = 1 ]; then
+    # the planner's pinned-memory rounding and side-stream pool, measured (seconds)
+    step 60 byte_model "$PY" benchmarks/gpu/byte_model.py --out "$OUT/byte_model.json"
+    # step time and peak device memory (vs the plan) of every arm at the same 12 GB budget; ratios printed
+    step 300 timing "$PY" benchmarks/offload.py --layers 24 --d-model 2048 --seq-len 256 --micro-batch 2 --bf16 \
+      --device-memory 12GB --max-level host_params --arms all --out "$OUT/offload_gpu.json"
+  else
+    echo "no CUDA device: step time and peak device memory skipped"
+  fi
+  step 120 host_params_ckpt_ga2_skip_bf16 "$PY" benchmarks/offload.py "${host_params[@]}" "${real_run[@]}" --bf16 \
+    --checkpoint-activations reentrant --out "$OUT/offload_host_params_ckpt_ga2_skip_bf16.json"
+fi
+if want convergence; then
+  # every run is written as it ends: a run cut short by the deadline keeps its finished seeds (--reanalyse reads them)
+  step 600 convergence "$PY" benchmarks/convergence.py --regime memory_bound --seeds "${SEEDS:-8}" --threads 8 \
+    --arms "scratch,p2r@10% scale noise 0.01 rewarmup 10,p2r@25% scale" --tag _gpu --out "$OUT"
+fi
 echo "gpu check finished with status $status"
 exit $status
