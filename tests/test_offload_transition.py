@@ -1,5 +1,6 @@
 """Granular offload across the delink: the plan is recomputed for the real model and applied to the rebuilt
 engine, the loss stays continuous, and the trajectory does not depend on the plan."""
+import math
 import sys
 from pathlib import Path
 
@@ -13,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from delink_matrix import BeforeDelink, config, eval_loss, fixed_batch, tiny_gpt  # noqa: E402
 
 
-def run(levels_or_budget, stage=1, steps=6, clipping=None):
-    cfg = config(stage, "fp32", "copy", switch=3)
+def run(levels_or_budget, stage=1, steps=6, clipping=None, dtype="fp32"):
+    cfg = config(stage, dtype, "copy", switch=3)
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3}}
     if clipping is not None:
         cfg["gradient_clipping"] = clipping
@@ -46,6 +47,7 @@ def host_layout(engine):
     if store is None:
         return None
     layers = {}
+    assert {store.host_tensor(p).dtype for p in store._host} == {next(engine.module.parameters()).dtype}
     for i, layer in enumerate(engine.module.layers):
         params = [p for p in layer.parameters() if p in store._host]
         if params:
@@ -105,6 +107,15 @@ def test_host_params_outside_deepspeed_across_the_delink(stage):
     _, clipped, _ = run(levels, stage)
     _, clipped_reference, _ = run({"device_memory": "1GiB"}, stage)
     assert clipped == pytest.approx(clipped_reference, rel=1e-6)
+
+
+def test_host_params_layers_are_built_in_place_in_bf16():
+    """bf16, ZeRO 2: the delink builds the host_params layers in bf16 in their host allocations, which DeepSpeed's
+    cast to bf16 leaves as they are and the store takes without copying."""
+    levels = {"levels": ["host_params", "device", "host_params", "host_params"]}
+    _, losses, report = run(levels, 2, clipping=0.0, dtype="bf16")
+    assert report["host"] == {"repacked_bytes": 0, "layers": {0: True, 2: True, 3: True}}
+    assert abs(report["pre"] - report["post"]) <= 2**-7 * abs(report["pre"]) and all(map(math.isfinite, losses))
 
 
 def test_explicit_levels_name_the_real_models_layers_in_both_stages():
