@@ -3,6 +3,7 @@ masters carried exactly (bf16 included), Adam step counter, the real model built
 the single-rank test; run under torchrun for 2 ranks (prints JSON lines on rank 0), or with ``--check`` (the GPU check:
 each case checked on every rank, exit status 1 if one fails)."""
 import json
+import os
 import sys
 
 import torch
@@ -162,5 +163,8 @@ if __name__ == "__main__":
             except AssertionError as error:
                 failed += 1
                 print(f"rank {dist.get_rank()} FAILED: {case}: {error}", flush=True)
-    dist.destroy_process_group()  # before exit: gloo's threads torn down at interpreter exit can abort the process
-    sys.exit(1 if failed else 0)
+    dist.destroy_process_group()
+    # the results are out: leave without the interpreter's teardown, where a C++ thread of gloo or DeepSpeed still
+    # joinable under load can abort a rank (std::terminate) after a run that passed
+    sys.stdout.flush()
+    os._exit(1 if failed else 0)
