@@ -3,8 +3,9 @@
 Owns: the current engine (pseudo, then real), the training state, the callback list, the in-process delink
 (gather full fp32 weights -> destroy -> build the real model in the working dtype, a parameter at a time, where it
 will train: the engine's device, granular offload's host_params layers in their host allocations -> new engine, its
-fp32 masters set from the gathered weights -> carry steps, LR schedule and the optimizer state per policy) and checkpoint save/load across stages. Sharing math lives in ``sharing``, trigger
-and policy math in ``transition``, DeepSpeed internals in ``ds_state``.
+fp32 masters set from the gathered weights -> carry steps, LR schedule and the optimizer state per policy) and
+checkpoint save/load across stages. Sharing math lives in ``sharing``, trigger and policy math in ``transition``,
+DeepSpeed internals in ``ds_state``.
 """
 from __future__ import annotations
 
@@ -645,7 +646,7 @@ class PseudoToRealController:
             f"parameter groups {report['groups_before']} -> {report['groups_after']}"
             + (f", layers {report['layers_before']} -> {report['layers_after']} (stacked)"
                if report["layers_before"] != report["layers_after"] else "")
-            + " (" + ", ".join(f"{name} {seconds:.2f}s" for name, seconds in report.get("phases", {}).items()) + ")"
+            + " (" + ", ".join(f"{name} {seconds:.2f}s" for name, seconds in report["phases"].items()) + ")"
         )
         rank = dist.get_rank() if dist.is_initialized() else 0
         for when in ("before", "after"):

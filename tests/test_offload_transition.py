@@ -41,8 +41,8 @@ def run(levels_or_budget, stage=1, steps=6, clipping=None, dtype="fp32"):
 
 
 def host_layout(engine):
-    """The real model's host_params layers as its HostParamStore holds them: bytes it copied into allocations of
-    its own, and per layer whether the layer's params fill one host allocation, in order (None: no such layer)."""
+    """The engine's host_params layers as its HostParamStore holds them: bytes it copied into allocations of its
+    own, and per layer whether the layer's params fill one host allocation, in order (None: no HostParamStore)."""
     store = ds_state.basic_optimizer(engine.engine).host_params
     if store is None:
         return None

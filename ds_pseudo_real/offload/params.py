@@ -96,6 +96,17 @@ def in_one_allocation(params: Sequence[nn.Parameter], pinned: bool) -> bool:
     return first.is_pinned() == pinned and offset * first.element_size() == storage.nbytes()
 
 
+def one_allocation(params: Sequence[nn.Parameter], dtype: torch.dtype, pin_memory: bool) -> List[torch.Tensor]:
+    """One host allocation (pinned when ``pin_memory``) of ``dtype`` holding ``params`` one after the other: a
+    view shaped like each param, in order (the layout :func:`in_one_allocation` recognises)."""
+    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device="cpu", pin_memory=pin_memory)
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return views
+
+
 def host_param_views(layers: Sequence[nn.Module], host_ids: Set[int], dtype_of: Callable[[nn.Parameter], torch.dtype],
                      pin_memory: bool) -> Dict[int, torch.Tensor]:
     """Storage for the host params of a model about to be built: per layer and dtype one host allocation (pinned
@@ -108,11 +119,7 @@ def host_param_views(layers: Sequence[nn.Module], host_ids: Set[int], dtype_of: 
         params = [p for p in layer.parameters() if id(p) in host_ids and id(p) not in views]
         for dtype in dict.fromkeys(dtype_of(p) for p in params):
             todo = [p for p in params if dtype_of(p) == dtype]
-            flat = torch.empty(sum(p.numel() for p in todo), dtype=dtype, device="cpu", pin_memory=pin_memory)
-            offset = 0
-            for p in todo:
-                views[id(p)] = flat[offset:offset + p.numel()].view(p.shape)
-                offset += p.numel()
+            views.update(zip(map(id, todo), one_allocation(todo, dtype, pin_memory)))
     return views
 
 
@@ -309,12 +316,8 @@ class HostParamStore:
                     self._packed.add(p)
                 continue
             self.repacked_bytes += sum(p.numel() for p in todo) * todo[0].element_size()
-            flat = torch.empty(sum(p.numel() for p in todo), dtype=dtype, device="cpu", pin_memory=self._pin)
-            offset = 0
-            for p in todo:
-                host = flat[offset:offset + p.numel()].view(p.shape)
+            for p, host in zip(todo, one_allocation(todo, dtype, self._pin)):
                 host.copy_(p.detach())
-                offset += p.numel()
                 self._host[p] = host
                 self._packed.add(p)
                 p.data = host
