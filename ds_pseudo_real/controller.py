@@ -1,10 +1,10 @@
 """The engine-owning controller: a DeepSpeed engine stand-in that runs callbacks and performs the delink.
 
 Owns: the current engine (pseudo, then real), the training state, the callback list, the in-process delink
-(gather full fp32 weights -> destroy -> build the real model in the working dtype, a parameter at a time, where it
-will train: the engine's device, granular offload's host_params layers in their host allocations -> new engine, its
-fp32 masters set from the gathered weights -> carry steps, LR schedule and the optimizer state per policy) and
-checkpoint save/load across stages. Sharing math lives in ``sharing``, trigger and policy math in ``transition``,
+(gather full fp32 weights and moments, on the device unless the job offloads -> destroy -> build the real model in
+the working dtype, a parameter at a time, where it will train: the engine's device, granular offload's host_params
+layers in their host allocations -> new engine, its fp32 masters set from the gathered weights -> carry steps, LR
+schedule and the optimizer state per policy) and checkpoint save/load across stages. Sharing math lives in ``sharing``, trigger and policy math in ``transition``,
 DeepSpeed internals in ``ds_state``.
 """
 from __future__ import annotations
@@ -108,6 +108,20 @@ def build_device() -> torch.device:
     if accelerator.device_name() == "cpu":
         return torch.device("cpu")
     return torch.device(accelerator.device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+
+
+def staging_device(ds_config: Dict[str, Any]) -> torch.device:
+    """Where the delink keeps the gathered fp32 pseudo weights and moments while it builds the next stage: on the
+    device the engine trains on, where the pseudo engine's own state was, so that the host never holds them; on the
+    host when the job moves optimizer state or parameters off the device (DeepSpeed's ``offload_optimizer`` or
+    ``offload_param``, the plugin's ``granular_offload``, whose plan fills the device budget with the next stage's
+    state), and on a CPU run."""
+    zero = ds_config.get("zero_optimization") or {}
+    offloaded = any((zero.get(key) or {}).get("device", "none") not in ("none", None)
+                    for key in ("offload_optimizer", "offload_param"))
+    if offloaded or "granular_offload" in ds_config:
+        return torch.device("cpu")
+    return build_device()
 
 
 def _cast(param: nn.Parameter, dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -451,8 +465,8 @@ class PseudoToRealController:
                     or value.numel() < 2):
                 out[name] = value
                 continue
-            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            noise = torch.randn(value.shape, generator=generator, dtype=torch.float32)
+            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # on the CPU: the same on any device
+            noise = torch.randn(value.shape, generator=generator, dtype=torch.float32).to(value.device)
             out[name] = (value.float() + scale * value.float().std() * noise).to(value.dtype)
         return out
 
@@ -569,7 +583,10 @@ class PseudoToRealController:
         pseudo_numel = parameter_numel(old.module)
         pseudo_memory = ds_state.memory_report(old)
         pseudo_plan = self.offload_plan
-        weights, moments = ds_state.gather_full_state(old, with_moments=policy != OptimizerStatePolicy.RESET.value)
+        staging = staging_device(self.full_ds_config)
+        weights, moments = ds_state.gather_full_state(old, policy != OptimizerStatePolicy.RESET.value, staging)
+        gathered = sum(t.numel() * t.element_size() for t in [
+            *weights.values(), *(t for per in moments.values() for t in per.values())])
         counters = ds_state.step_counters(old)
         lrs = [g["lr"] for g in old.optimizer.param_groups]
         scheduler_state = old.lr_scheduler.state_dict() if old.lr_scheduler is not None else None
@@ -628,6 +645,7 @@ class PseudoToRealController:
             "memory_after": ds_state.memory_report(engine),
             "rewarmup_steps": self.config.rewarmup_steps,
             "phases": phases,
+            "gathered": {"device": str(staging), "bytes": gathered},
         }
         if pseudo_plan is not None or self.offload_plan is not None:
             report["offload_plan_before"] = pseudo_plan
@@ -647,6 +665,7 @@ class PseudoToRealController:
             + (f", layers {report['layers_before']} -> {report['layers_after']} (stacked)"
                if report["layers_before"] != report["layers_after"] else "")
             + " (" + ", ".join(f"{name} {seconds:.2f}s" for name, seconds in report["phases"].items()) + ")"
+            + f"; pseudo state gathered on {report['gathered']['device']}: {mib(report['gathered']['bytes'])}"
         )
         rank = dist.get_rank() if dist.is_initialized() else 0
         for when in ("before", "after"):

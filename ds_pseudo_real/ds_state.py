@@ -219,13 +219,19 @@ def _stepped_tensors(engine):
     return [(i, t) for i, g in enumerate(groups) for t in g["params"]]
 
 
-def full_fp32_param(engine, param: torch.nn.Parameter) -> torch.Tensor:
-    """The full fp32 value of ``param`` on the CPU. A collective under ZeRO-3: call on every rank, same order."""
+def _own_copy(value: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
+    """A new fp32 tensor on ``device`` (the CPU when None) holding ``value``: one copy, never a view of it."""
+    return value.detach().to(device or "cpu", torch.float32, copy=True)
+
+
+def full_fp32_param(engine, param: torch.nn.Parameter, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The full fp32 value of ``param`` on ``device`` (the CPU when None). A collective under ZeRO-3: call on every
+    rank, same order."""
     own_master = getattr(basic_optimizer(engine), "fp32_master", None)
     value = own_master(param) if own_master is not None else None
     if value is None:
         value = safe_get_full_fp32_param(param) if _is_managed(param) else _master(engine, param)
-    return value.detach().float().cpu().clone()
+    return _own_copy(value, device)
 
 
 def set_full_fp32_param(engine, param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -242,8 +248,10 @@ def set_full_fp32_param(engine, param: torch.nn.Parameter, value: torch.Tensor) 
         master.copy_(value)
 
 
-def full_moments(engine, param: torch.nn.Parameter, name: str = "") -> Optional[Dict[str, torch.Tensor]]:
-    """``exp_avg``/``exp_avg_sq`` of ``param`` (full, fp32, CPU), or None when it has none yet: it is frozen, or
+def full_moments(engine, param: torch.nn.Parameter, name: str = "", device: Optional[torch.device] = None
+                 ) -> Optional[Dict[str, torch.Tensor]]:
+    """``exp_avg``/``exp_avg_sq`` of ``param`` (full, fp32, on ``device``: the CPU when None), or None when it has
+    none yet: it is frozen, or
     its optimizer has not stepped it. Moments its optimizer should hold but that cannot be read (DeepSpeed failing
     after the first step, a state without Adam moments) are a RuntimeError naming the parameter, never a silent
     ``reset``."""
@@ -262,7 +270,7 @@ def full_moments(engine, param: torch.nn.Parameter, name: str = "") -> Optional[
         if missing:
             raise RuntimeError(f"cannot read the Adam moments of {what}: DeepSpeed gives no {missing} for this "
                                f"trainable parameter; the delink would silently reset them")
-        return {k: v.detach().float().cpu().clone() for k, v in values.items()}
+        return {k: _own_copy(v, device) for k, v in values.items()}
     state = _optimizer_state(engine, _master(engine, param))
     if not state:
         return None
@@ -270,7 +278,7 @@ def full_moments(engine, param: torch.nn.Parameter, name: str = "") -> Optional[
         raise RuntimeError(f"cannot read the Adam moments of {what}: its optimizer state holds {sorted(state)}, not "
                            f"{list(MOMENT_KEYS)}; pseudo_to_real.optimizer_state 'copy' and 'scale' carry Adam "
                            f"moments, accepted with this optimizer: 'reset'")
-    return {k: state[k].detach().float().cpu().clone() for k in MOMENT_KEYS}
+    return {k: _own_copy(state[k], device) for k in MOMENT_KEYS}
 
 
 def step_counters(engine) -> Dict[str, Any]:
@@ -377,15 +385,17 @@ def _unique(params: Iterable[torch.nn.Parameter]):
     return out
 
 
-def gather_full_state(engine, with_moments: bool) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
-    """Full fp32 weights (and moments) of every unique parameter, by ``named_parameters`` name."""
+def gather_full_state(engine, with_moments: bool, device: Optional[torch.device] = None
+                      ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
+    """Full fp32 weights (and moments) of every unique parameter, by ``named_parameters`` name, on ``device`` (the
+    CPU when None)."""
     weights, moments = {}, {}
     if with_moments:
         relink_optimizer_state(engine)
     for name, param in engine.module.named_parameters():
-        weights[name] = full_fp32_param(engine, param)
+        weights[name] = full_fp32_param(engine, param, device)
         if with_moments:
-            value = full_moments(engine, param, name)
+            value = full_moments(engine, param, name, device)
             if value is not None:
                 moments[name] = value
     return weights, moments
