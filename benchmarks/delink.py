@@ -22,13 +22,19 @@ Per rank, after one pseudo step:
   model before DeepSpeed moves it to the device (4 in fp32, 2 in bf16 when it is built in the working dtype; the
   RSS figure is lower where the allocator reuses pages the pseudo engine freed);
 - ``built_peak_over_real``: the part of ``peak_host_over_real`` reached by the time the new engine is built (before
-  the moments are seeded and filled).
+  the moments are seeded and filled);
+- ``peak_over_real_from_baseline``: the same peak over the process's own memory instead of the floor: (peak RSS -
+  (RSS once the pseudo engine is released - the bytes of the gathered pseudo state)) / real-stage bytes. The floor
+  charges the delink with what the process comes to hold whatever the model's size (libraries mapped and modules
+  imported since, DeepSpeed's and gloo's buffers: about 240 MiB per rank here); this baseline does not, but it
+  would also absorb memory the release failed to return, which ``freed`` and the floor-based figure still show.
 A rank row reports the worst rank. A configuration DeepSpeed refuses (its MoE under ZeRO-3) is reported as such.
 
     python benchmarks/delink.py            # ~4 min on 2 CPU cores; writes benchmarks/results/delink.json
     python benchmarks/delink.py --quick    # smaller models, 1 and 2 ranks, ZeRO 1 and 3 only
     python benchmarks/delink.py --dtype bf16 --zero 1,2 --models dense --out benchmarks/results/delink_bf16.json
     python benchmarks/delink.py --size large --dtype bf16 --out benchmarks/results/delink_large_bf16.json
+    python benchmarks/delink.py --size xl --models dense --zero 3 --worlds 2 --dtype bf16 --out ...
 """
 from __future__ import annotations
 
@@ -63,7 +69,10 @@ LARGE = {  # sizes where the per-byte costs outweigh the engine's fixed ones: 20
     "moe": {"m6": {"preset": "m6-tiny", "num_layers": 8, "hidden_size": 512, "num_heads": 4, "expert_ffn_size": 2048,
                    "seq_length": 16}},
 }
-SIZES = {"default": MODELS, "quick": QUICK, "large": LARGE}
+XL = {  # twice the dense model of LARGE (404M real parameters): with LARGE, how the peak grows with the model
+    "dense": {"gpt": {"n_layer": 32, "d_model": 1024, "n_head": 8, "seq_len": 16}},
+}
+SIZES = {"default": MODELS, "quick": QUICK, "large": LARGE, "xl": XL}
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -159,6 +168,10 @@ def worker(model: str, zero: int, policy: str, size: str, dtype: str = "fp32") -
         "model_bytes_per_parameter": marks["model"] / sum(int(torch.Size(s).numel()) for s in shapes),
         "model_storage_per_parameter": marks["storage"] / sum(int(torch.Size(s).numel()) for s in shapes),
         "built_peak_over_real": None if not peak_ok else (marks["built_peak"] - floor) / real_bytes,
+        "gathered_bytes": marks.get("gathered", 0), "rss_after_release": marks["released"],
+        "process_baseline": marks["released"] - marks.get("gathered", 0),
+        "peak_over_real_from_baseline": None if peak is None else (
+            peak - (marks["released"] - marks.get("gathered", 0))) / real_bytes,
         "freed": freed,
     }
     engine.engine.destroy()
@@ -167,8 +180,9 @@ def worker(model: str, zero: int, policy: str, size: str, dtype: str = "fp32") -
 
 def measure_build(controller_class) -> Dict[str, int]:
     """Wrap the controller's model build (``materialize``, ZeRO-3's ``_materialize_partitioned``) and engine build
-    (``_initialize``) to record the RSS the built model adds and the RSS high-water mark once the engine is built."""
-    from ds_pseudo_real import controller
+    (``_initialize``) to record the RSS the built model adds and the RSS high-water mark once the engine is built;
+    and the gather and release of the pseudo engine, to record the bytes gathered and the RSS once it is released."""
+    from ds_pseudo_real import controller, ds_state
 
     marks: Dict[str, int] = {}
 
@@ -186,7 +200,20 @@ def measure_build(controller_class) -> Dict[str, int]:
         marks["built_peak"] = rss_bytes("VmHWM")
         return out
 
-    built = controller_class._initialize
+    def gather_full_state(*args, **kwargs):
+        weights, moments = gathered(*args, **kwargs)
+        marks["gathered"] = sum(t.numel() * t.element_size() for t in [
+            *weights.values(), *(t for per in moments.values() for t in per.values())])
+        return weights, moments
+
+    def release_engine(self, *args, **kwargs):
+        out = release(self, *args, **kwargs)
+        marks["released"] = rss_bytes()
+        return out
+
+    built, release, gathered = controller_class._initialize, controller_class._release_engine, ds_state.gather_full_state
+    ds_state.gather_full_state = gather_full_state
+    controller_class._release_engine = release_engine
     controller.materialize = rss_added(controller.materialize)
     controller_class._materialize_partitioned = rss_added(controller_class._materialize_partitioned)
     controller_class._initialize = initialize
@@ -230,28 +257,41 @@ def run_case(model: str, world: int, zero: int, policy: str, size: str, timeout:
             "model_bytes_per_parameter": worst("model_bytes_per_parameter"),
             "model_storage_per_parameter": worst("model_storage_per_parameter"),
             "built_peak_over_real": worst("built_peak_over_real"),
+            "peak_over_real_from_baseline": worst("peak_over_real_from_baseline"),
             "freed": all(all(r["freed"].values()) for r in ranks), "ranks": ranks}
 
 
-def m6_10t_plan_only(world: int = 512, expert_parallel: int = 512, ranks_per_node: int = 8) -> Dict:
-    """Host bytes per rank the delink needs for M6-10T at ``world`` GPUs, from the parameter counts, without
-    offload. Every rank gathers its pseudo model's full fp32 weights and both Adam moments on the host (12 bytes per
-    pseudo parameter: its experts, the shared layer, the embedding). The real model it builds: in fp32 on the host
-    (the first delink), in the working dtype bf16 on the host (2 bytes per real parameter), or, as now, on the
-    device it trains on (``controller.build_device``: nothing on the host). The goal is the rank's real-stage host
-    bytes (none without offload) x 1.2 plus one layer (here one fp32 layer)."""
+def m6_10t_plan_only(world: int = 512, expert_parallel: int = 512, ranks_per_node: int = 8,
+                     gpu_memory_gib: float = 32.0, reserved_gib: float = 2.0) -> Dict:
+    """Host bytes per rank the delink needs for M6-10T at ``world`` GPUs of ``gpu_memory_gib``, from the parameter
+    counts and the planner's byte model (no run). Every rank gathers its pseudo model's full fp32 weights and both
+    Adam moments (12 bytes per pseudo parameter: its experts, the shared layer, the embedding). The real stage does
+    not fit on the GPUs, so it trains through granular offload (bf16, ZeRO 1: the planner's placement), and the
+    delink keeps the gathered state on the host (``controller.staging_device``) beside the real stage's host state
+    it builds. The real model it builds: in fp32 on the host (the first delink), in the working dtype bf16 on the
+    host (2 bytes per real parameter), or, as now, where it trains (``controller.build_device``; the host_params
+    layers in their host allocations, counted in the real stage's host bytes). The goal: the real stage's host bytes
+    x 1.2 plus one layer (one fp32 layer)."""
+    from benchmarks.m6_10t_plan import plan_row
     from ds_pseudo_real.moe.architecture import M6_10T, embedding_parameters, layer_parameters
 
     layer = layer_parameters(M6_10T, expert_parallel)
     real = embedding_parameters(M6_10T) + M6_10T.num_layers * layer
     pseudo = embedding_parameters(M6_10T) + layer
     gathered = 3 * 4 * pseudo
+    stage = plan_row(M6_10T, "real", expert_parallel, world, "bf16", 1, int(gpu_memory_gib * 2**30),
+                     int(reserved_gib * 2**30), micro_batch=1)
+    real_host = stage["host_allocated_bytes"]
     return {"world": world, "expert_parallel": expert_parallel, "rank_real_parameters": real,
             "rank_pseudo_parameters": pseudo, "layer_parameters_per_rank": layer,
             "host_bytes_per_rank_fp32_host_build": 4 * real + gathered,
             "host_bytes_per_rank_bf16_host_build": 2 * real + gathered,
             "host_bytes_per_rank_today": gathered, "host_bytes_per_node_today": gathered * ranks_per_node,
-            "host_bytes_per_rank_goal_without_offload": 4 * layer, "ranks_per_node": ranks_per_node}
+            "real_stage_levels": stage["levels"], "real_stage_host_bytes_per_rank": real_host,
+            "peak_host_bytes_per_rank": real_host + gathered,
+            "peak_host_over_real_stage_host": (real_host + gathered) / real_host,
+            "goal_host_bytes_per_rank": 1.2 * real_host + 4 * layer,
+            "one_fp32_layer_bytes": 4 * layer, "ranks_per_node": ranks_per_node}
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -260,7 +300,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small models; ZeRO 1 and 3 only")
     parser.add_argument("--size", choices=sorted(SIZES), default=None,
                         help="model sizes: default (25M dense, 9.5M MoE), quick (as --quick), large (202M dense, "
-                             "143M MoE: about 8 GiB of host memory for the 2-rank ZeRO-1 MoE case)")
+                             "143M MoE: about 8 GiB of host memory for the 2-rank ZeRO-1 MoE case), xl (404M dense "
+                             "only, to see how the peak grows with the model: about 13 GiB for 2 ranks at ZeRO 3)")
     parser.add_argument("--policy", default="scale", choices=("copy", "scale", "reset"))
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the engine's working dtype")
     parser.add_argument("--zero", help="ZeRO stages, comma-separated (default 1,2,3; --quick 1,3)")
@@ -286,6 +327,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         result = worker(model, int(zero), policy, args.size, args.dtype)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
+    unknown = [m for m in args.models.split(",") if m not in SIZES[args.size]]
+    if unknown:
+        raise SystemExit(f"--models: {unknown} not in --size {args.size} (it has {', '.join(SIZES[args.size])})")
     cases = []
     stages = [int(z) for z in args.zero.split(",")] if args.zero else ((1, 3) if args.quick else (1, 2, 3))
     for model in args.models.split(","):
@@ -301,23 +345,29 @@ def main(argv: Optional[List[str]] = None) -> int:
              f"{c['delink_over_touch']:.1f}", ", ".join(f"{k} {v:.2f}" for k, v in c["phases"].items()),
              "n/a" if c["peak_host_over_real"] is None else f"{c['peak_host_over_real']:.2f}",
              "n/a" if c["built_peak_over_real"] is None else f"{c['built_peak_over_real']:.2f}",
+             "n/a" if c["peak_over_real_from_baseline"] is None else f"{c['peak_over_real_from_baseline']:.2f}",
              f"{c['model_bytes_per_parameter']:.2f} ({c['model_storage_per_parameter']:.2f})",
              "yes" if c["freed"] else "NO"] if "error" not in c else
-            [c["model"], c["world"], c["zero"], "refused: " + c["error"], "", "", "", "", "", "", "", "", ""]
+            [c["model"], c["world"], c["zero"], "refused: " + c["error"], "", "", "", "", "", "", "", "", "", ""]
             for c in cases]
     table = markdown_table(["model", "ranks", "ZeRO", "parameters", "delink s", "one copy s", "delink / copy",
                             "delink / writing the real stage's bytes", "phases s",
                             "peak host / real-stage bytes", "of it when the engine is built",
+                            "peak host over the process's own / real-stage bytes",
                             f"built model ({args.dtype}), RSS (storage) bytes / parameter", "pseudo engine freed"],
                            rows)
     table += (f"\n\nM6-10T at {plan['world']} GPUs, EP {plan['expert_parallel']} (byte model, no run): each rank "
               f"builds {plan['rank_real_parameters']:,} real parameters from {plan['rank_pseudo_parameters']:,} "
-              f"pseudo ones; the delink holds {gib(plan['host_bytes_per_rank_today'])} of host memory per rank "
-              f"(the gathered fp32 pseudo weights and moments; {gib(plan['host_bytes_per_node_today'])} per "
-              f"{plan['ranks_per_node']}-GPU node) with the real model built on the device, against "
-              f"{gib(plan['host_bytes_per_rank_bf16_host_build'])} built on the host in bf16 and "
-              f"{gib(plan['host_bytes_per_rank_fp32_host_build'])} in fp32; the goal is about one fp32 layer, "
-              f"{gib(plan['host_bytes_per_rank_goal_without_offload'])}, without offload.")
+              f"pseudo ones. The real stage trains through granular offload ({plan['real_stage_levels']}) with "
+              f"{gib(plan['real_stage_host_bytes_per_rank'])} of host memory per rank; the delink adds the gathered "
+              f"fp32 pseudo weights and moments, {gib(plan['host_bytes_per_rank_today'])} "
+              f"({gib(plan['host_bytes_per_node_today'])} per {plan['ranks_per_node']}-GPU node), with the real "
+              f"model built where it trains: a peak of {gib(plan['peak_host_bytes_per_rank'])}, "
+              f"{plan['peak_host_over_real_stage_host']:.3f}x the real stage's host bytes (goal: 1.2x plus one "
+              f"fp32 layer, {gib(plan['goal_host_bytes_per_rank'])}). Building the real model on the host would "
+              f"have added {gib(plan['host_bytes_per_rank_bf16_host_build'] - plan['host_bytes_per_rank_today'])} "
+              f"in bf16, {gib(plan['host_bytes_per_rank_fp32_host_build'] - plan['host_bytes_per_rank_today'])} in "
+              f"fp32. A job that does not offload keeps the gathered state on its devices.")
     print(table, flush=True)
     write_json(args.out, {"args": vars(args), "cases": cases, "m6_10t_plan_only": plan, "table_markdown": table})
     return 0

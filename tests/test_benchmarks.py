@@ -251,4 +251,12 @@ def test_delink_benchmark_m6_10t_host_figure_from_the_parameter_counts():
     assert plan["host_bytes_per_rank_bf16_host_build"] == 2 * 20_356_343_808 + gathered
     assert plan["host_bytes_per_rank_today"] == gathered
     assert plan["host_bytes_per_node_today"] == 8 * plan["host_bytes_per_rank_today"]
+    # the real stage trains through granular offload (it cannot fit 32 GiB GPUs): the planner's host bytes, with
+    # the gathered state beside them, against 1.2x of them plus one fp32 layer
+    assert plan["real_stage_levels"]["host_params"] > 0
+    real_host = plan["real_stage_host_bytes_per_rank"]
+    assert real_host > 2 * plan["rank_real_parameters"]  # at least the host layers' bf16 parameters
+    assert plan["peak_host_bytes_per_rank"] == real_host + gathered
+    assert plan["goal_host_bytes_per_rank"] == 1.2 * real_host + 4 * 423_628_800
+    assert plan["peak_host_bytes_per_rank"] < plan["goal_host_bytes_per_rank"]
     assert delink.rss_bytes() > 0 and delink.rss_bytes("VmHWM") >= delink.rss_bytes()
