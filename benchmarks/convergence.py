@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.common import (  # noqa: E402
     RESULTS, cost_model_clock, cumulative, fmt, first_crossing, machine_description, markdown_table, median,
-    paired_differences, spread, value_at, write_json,
+    median_counting_missing, paired_differences, spread, value_at, write_json,
 )
 
 JUMP_OFFSETS = (1, 2, 5, 10, 20)  # evaluations right after the switch, to see the loss jump
@@ -108,6 +108,9 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
         Arm("p2r@5% scale noise 0.01", "pseudo_to_real", 0.05, delink_noise=0.01),
         Arm("p2r@10% G=2 scale", "pseudo_to_real", 0.10, groups=2),
         Arm("p2r@25% scale noise 0.01 rewarmup 10", "pseudo_to_real", 0.25, delink_noise=0.01, rewarmup_steps=10),
+        Arm("p2r@25% G=2 scale noise 0.01 rewarmup 10", "pseudo_to_real", 0.25, groups=2, delink_noise=0.01,
+            rewarmup_steps=10),
+        Arm("p2r@40% scale noise 0.01 rewarmup 10", "pseudo_to_real", 0.40, delink_noise=0.01, rewarmup_steps=10),
     ]
 
 
@@ -422,6 +425,30 @@ def loss_jump(run: Dict) -> Optional[float]:
     return max(after) - at[s] if after and s in at else None
 
 
+def pseudo_cost_for_goal(steps_to_target: Sequence[Optional[float]], switch_steps: Sequence[int], total_steps: int,
+                         goal: float = 0.5) -> Optional[float]:
+    """The largest cost of a pseudo step, as a fraction of a real step, at which an arm that trains ``switch_steps[i]``
+    pseudo steps and then real ones, and reaches scratch's final loss after ``steps_to_target[i]`` steps (None:
+    never), takes a median over all seeds (never counting as infinitely slow) of at most ``goal`` x scratch's time
+    (``total_steps`` real steps). Seed i's ratio is (switch x r + steps - switch) / total. None when even free
+    pseudo steps would not bring the median there; at most 1."""
+    pairs = list(zip(steps_to_target, switch_steps))
+
+    def median_at(r: float) -> Optional[float]:
+        return median_counting_missing([None if n is None else (w * r + n - w) / total_steps for n, w in pairs])
+
+    at_zero = median_at(0.0)
+    if at_zero is None or at_zero > goal:
+        return None
+    if median_at(1.0) <= goal:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if median_at(middle) <= goal else (low, middle)
+    return low
+
+
 def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]]) -> Dict:
     """Per arm and seed: steps/time to reach scratch's final validation loss (same seed), loss at equal steps and
     at scratch's total time, loss jump; then spread over seeds and differences paired by seed against scratch."""
@@ -486,6 +513,14 @@ def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]
             [m[r["phases"][0]] / m["real"] for m, r in zip(same_run_opt, arm_runs) if r["phases"][0] != "real" and r["phases"][0] in m and "real" in m])
         delinks = [r["transition"]["seconds"] for r in arm_runs if r["transition"]]
         entry["transition_seconds"] = spread(delinks)
+        if arm.kind == "pseudo_to_real" and not arm.stages:
+            # what a pseudo step would have to cost for this arm to reach the 2x goal (median of all <= 0.5)
+            reached = [rows[s]["steps_to_target"] for s in rows]
+            switches = [by[(arm.name, s)]["switch_step"] for s in rows]
+            entry["pseudo_cost_for_half_time"] = pseudo_cost_for_goal(reached, switches, regime.steps)
+            # the same clock with free pseudo steps: the real steps alone, the least any pseudo cost could give
+            entry["ratio_with_free_pseudo_steps"] = median_counting_missing(
+                [None if n is None else (n - w) / regime.steps for n, w in zip(reached, switches)])
         arms.append(entry)
     return {"arms": arms}
 
@@ -520,6 +555,15 @@ def print_tables(regime: Regime, summary: Dict, clocks: Sequence[str], costs: Di
         row.append("→".join(f"{v:,}" for v in entry["parameters"].values()))
         rows.append(row)
     lines.append(markdown_table(header, rows))
+    needed = [(e["arm"]["name"], e["pseudo_cost_for_half_time"], e["ratio_with_free_pseudo_steps"],
+               e["steps_to_target"]["missing"]) for e in summary["arms"] if "pseudo_cost_for_half_time" in e]
+    if needed:
+        lines.append("the pseudo/real step cost at which the median over all seeds would reach scratch's final loss in "
+                     "half its time (from the steps each seed took and its switch step; in brackets the median "
+                     "ratio with free pseudo steps): " + "; ".join(
+                         f"{name} {'none would' if r is None else f'<= {r:.2f}'} "
+                         f"({'∞' if free is None else f'{free:.2f}'}" + (f", {missing} never" if missing else "") + ")"
+                         for name, r, free, missing in needed))
     text = "\n".join(lines)
     print(text, flush=True)
     return text

@@ -260,3 +260,16 @@ def test_delink_benchmark_m6_10t_host_figure_from_the_parameter_counts():
     assert plan["goal_host_bytes_per_rank"] == 1.2 * real_host + 4 * 423_628_800
     assert plan["peak_host_bytes_per_rank"] < plan["goal_host_bytes_per_rank"]
     assert delink.rss_bytes() > 0 and delink.rss_bytes("VmHWM") >= delink.rss_bytes()
+
+
+def test_the_pseudo_step_cost_an_arm_needs_for_the_2x_goal():
+    """Seed i's clock ratio is (switch x r + steps - switch) / total: with steps 100, 110 and never at a switch at 40
+    of 160, the median is the 110 seed's, (40 r + 70) / 160 <= 0.5 for r <= 0.25."""
+    from benchmarks.convergence import pseudo_cost_for_goal
+
+    assert pseudo_cost_for_goal([100.0, 110.0, None], [40, 40, 40], 160) == pytest.approx(0.25, abs=1e-9)
+    # free pseudo steps are not enough when the real steps alone take over half of scratch's time
+    assert pseudo_cost_for_goal([130.0, 140.0, 150.0], [40, 40, 40], 160) is None
+    # a seed that never reaches the target pulls the median up: two of three never
+    assert pseudo_cost_for_goal([60.0, None, None], [40, 40, 40], 160) is None
+    assert pseudo_cost_for_goal([50.0, 60.0], [40, 40], 160) == 1.0  # any pseudo cost up to a real step's
