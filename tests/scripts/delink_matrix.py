@@ -1,7 +1,7 @@
 """Delink on every ZeRO stage and dtype: loss on a fixed batch right before and after, moments carried, the fp32
-masters carried exactly (bf16 included), Adam step counter, the real model built where the engine trains. Imported by
-the single-rank test; run under torchrun for 2 ranks (prints JSON lines on rank 0), or with ``--check`` (the GPU check:
-each case checked on every rank, exit status 1 if one fails)."""
+masters carried exactly (bf16 included), Adam step counter, the real model built (and the pseudo state gathered)
+where the engine trains. Imported by the single-rank test; run under torchrun for 2 ranks (prints JSON lines on rank
+0), or with ``--check`` (the GPU check: each case checked on every rank, exit status 1 if one fails)."""
 import json
 import os
 import sys
@@ -117,6 +117,8 @@ def run_case(stage, dtype, policy):
         # where the real model's parameters (this rank's ZeRO-3 partitions) are, and where the engine trains
         "devices": sorted({getattr(p, "ds_tensor", p).device.type for p in engine.module.parameters()}),
         "engine_device": torch.device(engine.device).type,
+        # where the gathered pseudo state waited: the engine's device (no offload in these cases)
+        "gathered_device": torch.device(engine.last_transition["gathered"]["device"]).type,
     }
     engine.engine.destroy()
     return result
@@ -139,6 +141,7 @@ def check(result):
     expected_params = sum(p.numel() for p in tiny_gpt().parameters())
     assert result["params_after"] == expected_params, tag
     assert result["devices"] == [result["engine_device"]], f"{tag}: real model on {result['devices']}"
+    assert result["gathered_device"] == result["engine_device"], f"{tag}: pseudo state gathered on {result['gathered_device']}"
 
 
 def matrix():
