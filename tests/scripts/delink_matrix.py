@@ -46,6 +46,17 @@ def on_device(engine, batch):
     return tuple(t.to(engine.device) for t in batch)
 
 
+def device_peak(engine, reset=False):
+    """The accelerator's peak allocated bytes since the last reset (then reset it), None off CUDA."""
+    device = torch.device(engine.device)
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device)
+    if reset:
+        torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
 def eval_loss(engine, batch):
     engine.eval()
     with torch.no_grad():
@@ -73,6 +84,7 @@ class BeforeDelink(TrainingCallback):
             if self.masters:
                 self.seen["masters"] = {name: ds_state.full_fp32_param(engine.engine, p)
                                         for name, p in engine.module.named_parameters()}
+            device_peak(engine, reset=True)  # from here to the end of engine.step(): the delink's device peak
 
 
 def masters_carried(engine, pseudo_masters):
@@ -98,6 +110,7 @@ def run_case(stage, dtype, policy):
         engine.step()
         losses.append(loss.float().item())
         if engine.global_steps == SWITCH:
+            delink_peak = device_peak(engine, reset=True)
             post = eval_loss(engine, probe)
             masters_differ = masters_carried(engine, before.seen["masters"])
             last = dict(engine.module.named_parameters())[PROBE.format(3)]
@@ -119,6 +132,9 @@ def run_case(stage, dtype, policy):
         "engine_device": torch.device(engine.device).type,
         # where the gathered pseudo state waited: the engine's device (no offload in these cases)
         "gathered_device": torch.device(engine.last_transition["gathered"]["device"]).type,
+        # on CUDA: the device's peak allocated bytes during the delink and during the real steps after it (recorded,
+        # not checked: DeepSpeed's engine build has transients of its own)
+        "device_peak_bytes": {"delink": delink_peak, "real_steps": device_peak(engine)},
     }
     engine.engine.destroy()
     return result
