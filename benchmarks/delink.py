@@ -211,7 +211,8 @@ def measure_build(controller_class) -> Dict[str, int]:
         marks["released"] = rss_bytes()
         return out
 
-    built, release, gathered = controller_class._initialize, controller_class._release_engine, ds_state.gather_full_state
+    built, release = controller_class._initialize, controller_class._release_engine
+    gathered = ds_state.gather_full_state
     ds_state.gather_full_state = gather_full_state
     controller_class._release_engine = release_engine
     controller.materialize = rss_added(controller.materialize)

@@ -4,8 +4,8 @@ Owns: the current engine (pseudo, then real), the training state, the callback l
 (gather full fp32 weights and moments, on the device unless the job offloads -> destroy -> build the real model in
 the working dtype, a parameter at a time, where it will train: the engine's device, granular offload's host_params
 layers in their host allocations -> new engine, its fp32 masters set from the gathered weights -> carry steps, LR
-schedule and the optimizer state per policy) and checkpoint save/load across stages. Sharing math lives in ``sharing``, trigger and policy math in ``transition``,
-DeepSpeed internals in ``ds_state``.
+schedule and the optimizer state per policy) and checkpoint save/load across stages. Sharing math lives in
+``sharing``, trigger and policy math in ``transition``, DeepSpeed internals in ``ds_state``.
 """
 from __future__ import annotations
 

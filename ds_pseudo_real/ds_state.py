@@ -251,10 +251,9 @@ def set_full_fp32_param(engine, param: torch.nn.Parameter, value: torch.Tensor) 
 def full_moments(engine, param: torch.nn.Parameter, name: str = "", device: Optional[torch.device] = None
                  ) -> Optional[Dict[str, torch.Tensor]]:
     """``exp_avg``/``exp_avg_sq`` of ``param`` (full, fp32, on ``device``: the CPU when None), or None when it has
-    none yet: it is frozen, or
-    its optimizer has not stepped it. Moments its optimizer should hold but that cannot be read (DeepSpeed failing
-    after the first step, a state without Adam moments) are a RuntimeError naming the parameter, never a silent
-    ``reset``."""
+    none yet: it is frozen, or its optimizer has not stepped it. Moments its optimizer should hold but that cannot be
+    read (DeepSpeed failing after the first step, a state without Adam moments) are a RuntimeError naming the
+    parameter, never a silent ``reset``."""
     what = name or "a parameter"
     if not param.requires_grad:
         return None
