@@ -116,10 +116,9 @@ def staging_device(ds_config: Dict[str, Any]) -> torch.device:
     host when the job moves optimizer state or parameters off the device (DeepSpeed's ``offload_optimizer`` or
     ``offload_param``, the plugin's ``granular_offload``, whose plan fills the device budget with the next stage's
     state), and on a CPU run."""
-    zero = ds_config.get("zero_optimization") or {}
-    offloaded = any((zero.get(key) or {}).get("device", "none") not in ("none", None)
-                    for key in ("offload_optimizer", "offload_param"))
-    if offloaded or "granular_offload" in ds_config:
+    from .offload.config import deepspeed_offloads
+
+    if deepspeed_offloads(ds_config) or "granular_offload" in ds_config:
         return torch.device("cpu")
     return build_device()
 

@@ -216,6 +216,7 @@ def test_the_pseudo_state_is_gathered_on_the_device_unless_the_job_offloads(monk
         ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}}, torch.device("cuda", 3)),
         ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, on_host),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, on_host),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}, on_host),  # a bare device name
         ({"zero_optimization": {"stage": 1}, "granular_offload": {"device_memory": "30GB"}}, on_host),
     ):
         assert controller.staging_device(ds_config) == where, ds_config

@@ -123,6 +123,14 @@ def parse_granular_offload(ds_config: Mapping[str, Any]) -> Optional[GranularOff
     return section if section.enabled else None
 
 
+def deepspeed_offloads(ds_config: Mapping[str, Any]) -> List[str]:
+    """The keys of ``zero_optimization`` by which DeepSpeed moves state off the device (``offload_optimizer``,
+    ``offload_param``; each a section or a bare device name), where their device is other than "none"."""
+    zero = ds_config.get("zero_optimization") or {}
+    return [key for key in ("offload_optimizer", "offload_param") if zero.get(key) and (
+        zero[key].get("device", "none") if isinstance(zero[key], Mapping) else zero[key]) != "none"]
+
+
 def _zero_key(zero: Mapping[str, Any], key: str, default: Any, kind: type) -> Any:
     """``zero_optimization[key]`` checked as DeepSpeed would: a bool, or an element count > 0 (5e8 accepted)."""
     value = zero.get(key, default)
@@ -192,10 +200,11 @@ def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig,
     cuda = accelerator == "cuda"
     zero = ds_config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
-    for key in ("offload_optimizer", "offload_param"):
-        if zero.get(key) and (zero[key].get("device", "none") if isinstance(zero[key], Mapping) else zero[key]) != "none":
-            raise ConfigError(f"invalid config:\n  zero_optimization.{key}: got {zero[key]!r}, but {SECTION} places "
-                              f"optimizer state and parameters itself; accepted: absent or {{\"device\": \"none\"}}")
+    offloads = deepspeed_offloads(ds_config)
+    if offloads:
+        key = offloads[0]
+        raise ConfigError(f"invalid config:\n  zero_optimization.{key}: got {zero[key]!r}, but {SECTION} places "
+                          f"optimizer state and parameters itself; accepted: absent or {{\"device\": \"none\"}}")
     if (ds_config.get("fp16") or {}).get("enabled"):
         raise ConfigError(f"invalid config:\n  fp16.enabled: got True; {SECTION} supports fp32 and bf16.enabled")
     dtype = "bf16" if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled") else "fp32"
