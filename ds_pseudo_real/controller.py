@@ -618,15 +618,16 @@ class PseudoToRealController:
         _copy_lrs(lrs, engine.optimizer)
         carried = 0
         if moments:
-            ds_state.seed_optimizer_state(engine, counters)
+            unfilled = ds_state.seed_optimizer_state(engine, counters)
             starts: Dict[str, Dict[str, torch.Tensor]] = {}  # one per shared parameter: set_full_moments copies
             for name, param in engine.module.named_parameters():
                 source, members = self._source_name(name, old, new)
                 if source in moments:  # the pseudo moments go as soon as their starting values exist
                     starts[source] = member_moments(policy, moments.pop(source), members)
                 if source in starts:
-                    ds_state.set_full_moments(engine, param, starts[source])
+                    ds_state.set_full_moments(engine, param, starts[source], unfilled)
                     carried += 1
+            ds_state.zero_unwritten_moments(engine, unfilled)  # parameters whose source had no moments
         lap("carry")  # steps, LR schedule and the optimizer state
         self.state.switch_step = self.engine.global_steps
         report = {

@@ -290,12 +290,23 @@ def step_counters(engine) -> Dict[str, Any]:
     }
 
 
-def seed_optimizer_state(engine, counters: Dict[str, Any]) -> None:
-    """Create zero moments and the given step counters for every tensor the optimizer steps.
+def _unfilled_like(tensor: torch.Tensor) -> torch.Tensor:
+    """New fp32 memory shaped like ``tensor``, left as the allocator gives it: for state written whole next."""
+    return torch.empty_like(tensor, dtype=torch.float32)
+
+
+def seed_optimizer_state(engine, counters: Dict[str, Any]) -> Dict[int, torch.Tensor]:
+    """Create moments and the given step counters for every tensor the optimizer steps; returns the tensors whose
+    moments were left unfilled, by id, for :func:`set_full_moments` to write and :func:`zero_unwritten_moments` to
+    zero where it did not.
 
     Optimizers create their state lazily at the first step, and DeepSpeed links its per-parameter views of the
     flat fp32 partitions to that state only then; seeding first makes the moments settable before any step.
-    Granular offload's optimizer seeds its own (``seed_states``): each group's state where its level steps it.
+    DeepSpeed's flat partitions (ZeRO 1-3, the bf16 optimizer) get zero moments: their padding is nobody's to
+    write. A tensor stepped with a state of its own (ZeRO 0: the parameter, or the unfused optimizer's fp32 copy of
+    it) is written whole by :func:`set_full_moments`, so its moments are allocated unfilled: one pass over their
+    bytes instead of two. Granular offload's optimizer seeds its own (``seed_states``, zero moments): each group's
+    state where its level steps it.
     """
     optimizer = basic_optimizer(engine)
     seed_states = getattr(optimizer, "seed_states", None)
@@ -303,19 +314,37 @@ def seed_optimizer_state(engine, counters: Dict[str, Any]) -> None:
         steps = [counters["state_step"], *counters["group_steps"]]
         seed_states(next((s for s in steps if s is not None), 0))
         relink_optimizer_state(engine)
-        return
+        return {}
     group_steps = counters["group_steps"]
     for index, group in enumerate(optimizer.param_groups):
         step = group_steps[index] if index < len(group_steps) else group_steps[-1] if group_steps else None
         if step is not None:
             group["step"] = copy.deepcopy(step)
+    whole = {id(_master(engine, p)) for p in engine.module.parameters() if not _is_managed(p)}
+    unfilled = {}
     for _, tensor in _stepped_tensors(engine):
         state = _optimizer_state(engine, tensor)
         for key in MOMENT_KEYS:
-            state[key] = torch.zeros_like(tensor, dtype=torch.float32)
+            state[key] = _unfilled_like(tensor) if id(tensor) in whole else torch.zeros_like(tensor,
+                                                                                             dtype=torch.float32)
+        if id(tensor) in whole:
+            unfilled[id(tensor)] = tensor
         if counters["state_step"] is not None:
             state["step"] = copy.deepcopy(counters["state_step"])
     relink_optimizer_state(engine)
+    return unfilled
+
+
+def zero_unwritten_moments(engine, unfilled: Dict[int, torch.Tensor]) -> int:
+    """Zero the moments of the tensors :func:`seed_optimizer_state` left unfilled that :func:`set_full_moments` did
+    not write (a parameter whose source had no moments); returns how many tensors that was."""
+    for tensor in unfilled.values():
+        state = _optimizer_state(engine, tensor)
+        for key in MOMENT_KEYS:
+            state[key].zero_()
+    count = len(unfilled)
+    unfilled.clear()
+    return count
 
 
 def relink_optimizer_state(engine) -> None:
@@ -331,15 +360,23 @@ def relink_optimizer_state(engine) -> None:
         link()
 
 
-def set_full_moments(engine, param: torch.nn.Parameter, moments: Dict[str, torch.Tensor]) -> None:
-    """Write full fp32 ``moments`` of ``param`` (after :func:`seed_optimizer_state`)."""
+def set_full_moments(engine, param: torch.nn.Parameter, moments: Dict[str, torch.Tensor],
+                     unfilled: Optional[Dict[int, torch.Tensor]] = None) -> None:
+    """Write full fp32 ``moments`` of ``param`` (after :func:`seed_optimizer_state`, whose ``unfilled`` this
+    write removes ``param``'s tensor from)."""
     if _is_managed(param):
         for key in MOMENT_KEYS:
             safe_set_full_optimizer_state(param, moments[key].to(param.device), key)
         return
-    state = _optimizer_state(engine, _master(engine, param))
+    master = _master(engine, param)
+    state = _optimizer_state(engine, master)
     for key in MOMENT_KEYS:
+        if state[key].shape != moments[key].shape:
+            raise ValueError(f"moments of shape {tuple(moments[key].shape)} for a parameter of shape "
+                             f"{tuple(state[key].shape)}")
         state[key].copy_(moments[key])
+    if unfilled is not None:
+        unfilled.pop(id(master), None)
 
 
 def _local_numel(param: torch.nn.Parameter) -> int:

@@ -277,3 +277,61 @@ def test_the_model_is_built_on_the_device_the_engine_trains_on(monkeypatch):
     built = controller.materialize(skeleton, weights, torch.bfloat16, torch.device("meta"))
     assert {(p.device.type, p.dtype) for p in built.parameters()} == {("meta", torch.bfloat16)}
     assert len(list(built.parameters())) == len(list(tiny_gpt().parameters()))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_zero0_moments_are_written_once_and_those_with_no_source_zeroed(dtype, monkeypatch):
+    """ZeRO 0 steps each parameter (bf16: the unfused optimizer's fp32 copy of it) with a state of its own, which
+    the delink writes whole: its moments are allocated unfilled and written once, not zero-filled first (a second
+    pass over 8 bytes per real parameter). A parameter whose source has no moments (DeepSpeed gives every trainable
+    parameter a gradient, so that here is an optimizer that keeps none for a parameter it never moved) gets zeros.
+    The unfilled memory is NaN here, so that any element left unwritten shows."""
+    unfilled = []
+
+    def poisoned(tensor):
+        unfilled.append(tensor.numel())
+        return torch.full_like(tensor, float("nan"), dtype=torch.float32)
+
+    full_moments = ds_state.full_moments
+
+    def none_for_idle(engine, param, name="", device=None):
+        return None if name.endswith(".idle") else full_moments(engine, param, name, device)
+
+    monkeypatch.setattr(ds_state, "_unfilled_like", poisoned)
+    monkeypatch.setattr(ds_state, "full_moments", none_for_idle)
+    model = tiny_gpt()
+    for layer in model.layers:  # in no forward: a zero gradient, and no moments from the optimizer above
+        layer.register_parameter("idle", nn.Parameter(torch.zeros(7)))
+    seen = {}
+
+    class Moments(ds_pseudo_real.TrainingCallback):
+        def on_step_end(self, state, control):
+            if control.should_delink:
+                seen["pseudo"] = {n: full_moments(engine.engine, p, n)
+                                  for n, p in engine.module.named_parameters()}
+
+    engine, *_ = ds_pseudo_real.initialize(model=model, config=config(0, dtype, "copy", switch=2),
+                                           callbacks=[Moments()])
+    for step in range(2):
+        engine.backward(engine(*fixed_batch(step)))
+        engine.step()
+    assert engine.stage == "real"
+    real = dict(engine.module.named_parameters())
+    carried = [n for n in real if not n.endswith(".idle")]
+    assert sum(unfilled) == 2 * sum(p.numel() for p in real.values())  # every moment, the idle ones' too
+    assert engine.last_transition["moments_carried"] == len(carried)
+    for name, param in real.items():
+        moments = full_moments(engine.engine, param, name)
+        if name.endswith(".idle"):
+            assert all(torch.equal(moments[k], torch.zeros(7)) for k in ds_state.MOMENT_KEYS), name
+            continue
+        source = "layers.0." + name.split(".", 2)[2] if name.startswith("layers.") else name
+        assert all(torch.equal(moments[k], seen["pseudo"][source][k]) for k in ds_state.MOMENT_KEYS), name
+    # and the real steps after it train: finite loss, no NaN moment anywhere
+    loss = engine(*fixed_batch(5))
+    engine.backward(loss)
+    engine.step()
+    assert torch.isfinite(loss)
+    assert all(not torch.isnan(m).any() for n, p in real.items()
+               for m in full_moments(engine.engine, p, n).values())
+    engine.engine.destroy()
