@@ -114,6 +114,9 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
         Arm("p2r@10% G=2 scale noise 0.01 rewarmup 10", "pseudo_to_real", 0.10, groups=2, delink_noise=0.01,
             rewarmup_steps=10),
         Arm("p2r@5% scale noise 0.01 rewarmup 10", "pseudo_to_real", 0.05, delink_noise=0.01, rewarmup_steps=10),
+        Arm("p2r@10% scale noise 0.1 rewarmup 10", "pseudo_to_real", 0.10, delink_noise=0.1, rewarmup_steps=10),
+        Arm("p2r@10% G=2 scale noise 0.1 rewarmup 10", "pseudo_to_real", 0.10, groups=2, delink_noise=0.1,
+            rewarmup_steps=10),
     ]
 
 
