@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -49,7 +49,10 @@ class Arm:
     """One variant. ``kind``: ``scratch`` (the real model throughout), ``pseudo_to_real`` (shared layers until
     ``switch`` x steps, then delinked by the plugin), ``stacking`` (a ``stack_depth``-layer model until the switch,
     then its layers stacked to full depth, Gong et al. 2019 progressive stacking), ``progressive`` (``groups`` sets,
-    then the ``stages``' group counts at their fractions of the run, the last one the real model)."""
+    then the ``stages``' group counts at their fractions of the run, the last one the real model). With ``budget``
+    below 1 the arm trains that fraction of the regime's steps, its warmup + cosine schedule ending with them and its
+    switch at its fraction of them: whether it reaches scratch's final loss within that budget, as a run planned for
+    it would, rather than on the way through a schedule planned for the full run."""
 
     name: str
     kind: str = "scratch"
@@ -61,6 +64,7 @@ class Arm:
     delink_noise: float = 0.0  # pseudo_to_real.delink_noise
     rewarmup_steps: int = 0  # pseudo_to_real.rewarmup_steps: the LR ramps up again over these steps after the switch
     plateau: Optional[Tuple[int, float]] = None  # switch on a train-loss plateau (window, min_improvement) instead
+    budget: float = 1.0  # the fraction of the regime's steps this arm trains, its LR schedule fitted to them
 
 
 @dataclass
@@ -117,6 +121,11 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
         Arm("p2r@10% scale noise 0.1 rewarmup 10", "pseudo_to_real", 0.10, delink_noise=0.1, rewarmup_steps=10),
         Arm("p2r@10% G=2 scale noise 0.1 rewarmup 10", "pseudo_to_real", 0.10, groups=2, delink_noise=0.1,
             rewarmup_steps=10),
+        Arm("scratch budget 50%", budget=0.5),
+        Arm("p2r@10% scale noise 0.01 rewarmup 10 budget 50%", "pseudo_to_real", 0.10, delink_noise=0.01,
+            rewarmup_steps=10, budget=0.5),
+        Arm("p2r@10% scale noise 0.01 rewarmup 10 budget 40%", "pseudo_to_real", 0.10, delink_noise=0.01,
+            rewarmup_steps=10, budget=0.4),
     ]
 
 
@@ -205,6 +214,11 @@ def ds_config(regime: Regime, pseudo_to_real: Dict) -> Dict:
         config["granular_offload"] = {"device_memory": regime.offload["budget_bytes"],
                                       "activation_bytes": regime.offload["activation_bytes"]}
     return config
+
+
+def arm_regime(regime: Regime, arm: Arm) -> Regime:
+    """``regime`` as ``arm`` trains it: its steps (and so its LR schedule) cut to the arm's budget."""
+    return regime if arm.budget == 1.0 else replace(regime, steps=max(1, round(arm.budget * regime.steps)))
 
 
 def switch_step(regime: Regime, arm: Arm) -> Optional[int]:
@@ -301,9 +315,11 @@ def record_offload_step(records: Dict[str, Dict], phase: str, plan, moved: int, 
 
 
 def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -> Dict:
-    """Train one variant for ``regime.steps`` steps; the record holds every step's phase, times and loss."""
+    """Train one variant for its budget of ``regime.steps`` steps; the record holds every step's phase, times and
+    loss."""
     from benchmarks.common import cuda_sync
 
+    regime = arm_regime(regime, arm)
     switch = switch_step(regime, arm)
     if arm.kind == "stacking":
         engine = build_engine(regime, regime.n_layer, seed, stacking_ptr(arm, switch))
@@ -488,7 +504,7 @@ def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]
     for arm in regime.arms:
         rows = {s: per_run[(arm.name, s)] for s in seeds if (arm.name, s) in per_run}
         base = {s: per_run[("scratch", s)] for s in seeds}
-        entry = {"arm": asdict(arm), "switch_step": switch_step(regime, arm), "seeds": sorted(rows)}
+        entry = {"arm": asdict(arm), "switch_step": switch_step(arm_regime(regime, arm), arm), "seeds": sorted(rows)}
         metrics = ["final_val", "loss_jump", "steps_to_target"] + [
             f"{c}_{m}" for c in clocks for m in ("total", "to_target", "val_at_scratch_time", "equal_time_delta",
                                                  "equal_time_at")]
@@ -607,7 +623,7 @@ def plot(regime: Regime, runs: List[Dict], clocks: Dict[str, Optional[Dict[str, 
             mean_y = [sum(y[i] for y in ys) / len(ys) for i in range(n)]
             style = "-" if arm.kind != "stacking" else "--"
             ax.plot(mean_x, mean_y, style, color=color, label=arm.name, linewidth=1.4 if arm.kind != "scratch" else 2.4)
-            s = switch_step(regime, arm)
+            s = switch_step(arm_regime(regime, arm), arm)
             if s is not None and s in arm_runs[0]["eval_steps"]:
                 i = arm_runs[0]["eval_steps"].index(s)
                 ax.plot([mean_x[i]], [mean_y[i]], "v", color=color, markersize=8)

@@ -273,3 +273,24 @@ def test_the_pseudo_step_cost_an_arm_needs_for_the_2x_goal():
     # a seed that never reaches the target pulls the median up: two of three never
     assert pseudo_cost_for_goal([60.0, None, None], [40, 40, 40], 160) is None
     assert pseudo_cost_for_goal([50.0, 60.0], [40, 40], 160) == 1.0  # any pseudo cost up to a real step's
+
+
+def test_a_budgeted_arm_trains_its_fraction_of_the_steps_on_a_schedule_fitted_to_them():
+    """budget 0.5 of 8 steps: 4 steps, the warmup + cosine schedule planned for those 4 (not halfway down one
+    planned for 8), the switch at 25 % of the 4; scratch keeps the regime's 8, and the analysis costs the arm's own
+    phases."""
+    common.init_single_process()
+    from ds_pseudo_real.data import ByteCorpus
+
+    arm = convergence.Arm("p2r@25% budget 50%", "pseudo_to_real", 0.25, budget=0.5)
+    regime = convergence.Regime("t", 2, 16, 2, 8, 2, 8, 1e-2, 1, 2, 1, [convergence.Arm("scratch"), arm])
+    fitted = convergence.arm_regime(regime, arm)
+    assert (fitted.steps, regime.steps, convergence.arm_regime(regime, regime.arms[0]) is regime) == (4, 8, True)
+    assert convergence.ds_config(fitted, {})["scheduler"]["params"]["total_num_steps"] == 4
+    corpus = ByteCorpus(max_bytes=1 << 18)
+    runs = [convergence.run_arm(regime, a, 0, corpus, verbose=False) for a in regime.arms]
+    assert [len(r["phases"]) for r in runs] == [8, 4]
+    assert runs[1]["switch_step"] == 1 and runs[1]["phases"] == ["pseudo_g1", "real", "real", "real"]
+    summary = convergence.analyse(regime, runs, {"cost": {"pseudo_g1": 1.0, "real": 2.0}})
+    entry = summary["arms"][1]
+    assert entry["switch_step"] == 1 and entry["cost_total"]["per_seed"][0] == 1.0 + 3 * 2.0
