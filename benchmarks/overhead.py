@@ -112,36 +112,30 @@ def step_overhead(args, corpus, pseudo: bool) -> Dict:
     }
 
 
-def delink_vs_copy(args, corpus) -> Dict:
-    """Train the pseudo model one step (so there are Adam moments to carry), delink, and time one clone of the
-    real model's parameters (the same bytes, allocated and copied) in the same process, on the device the engine
-    trains on (an accelerator's work waited for on both sides)."""
+def timed_clones(source, repeats: int, copies: int = 1):
+    """Seconds, per repeat, to allocate and fill ``copies`` new copies of every tensor in ``source`` (on its
+    device, an accelerator's work waited for), each repeat's copies freed before the next."""
+    seconds = []
+    for _ in range(repeats):
+        cuda_sync()
+        start = time.perf_counter()
+        clones = [t.clone() for _ in range(copies) for t in source]
+        cuda_sync()
+        seconds.append(time.perf_counter() - start)
+        del clones
+        gc.collect()
+    return seconds
+
+
+def one_delink(args, cfg, corpus) -> Dict:
+    """Build the pseudo model, train it one step (so there are Adam moments to carry), delink; the delink's
+    seconds and report. Everything is released before returning."""
     import torch
 
     import ds_pseudo_real
-    from ds_pseudo_real.controller import build_device, materialize
-    from ds_pseudo_real.models import GPT, GPTConfig
+    from ds_pseudo_real.controller import materialize
+    from ds_pseudo_real.models import GPT
 
-    cfg = GPTConfig(seq_len=args.big_seq_len, n_layer=args.big_layers, d_model=args.big_d_model,
-                    n_head=args.big_d_model // 128)
-    with torch.device("meta"):
-        shapes = [p.shape for p in GPT(cfg).parameters()]
-    real_numel = sum(s.numel() for s in shapes)
-    # one copy of the real model's parameters: allocate + copy the same fp32 tensors (pages touched first), where
-    # the delink builds the real model
-    device = build_device()
-    source = [torch.ones(s, device=device) for s in shapes]
-    copies = []
-    for _ in range(args.copy_repeats):
-        cuda_sync()
-        start = time.perf_counter()
-        clone = [t.clone() for t in source]
-        cuda_sync()
-        copies.append(time.perf_counter() - start)
-        del clone
-        gc.collect()
-    del source
-    gc.collect()
     # the pseudo model is built tied on the meta device and only its unique parameters get storage
     with torch.device("meta"):
         model = ds_pseudo_real.apply_sharing(GPT(cfg), "layers", 1)
@@ -155,6 +149,7 @@ def delink_vs_copy(args, corpus) -> Dict:
                 param.fill_(1.0 if name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")) else 0.0)
     ptr = {"enabled": True, "layers": "layers", "switch": {"at_step": 10**9}, "optimizer_state": args.policy}
     engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=ds_config(1, ptr))
+    del model
     x, y = (t.to(engine.device) for t in corpus.batch("train", 1, args.big_seq_len, 0, 0))
     start = time.perf_counter()
     engine.backward(engine(x, y))
@@ -166,14 +161,50 @@ def delink_vs_copy(args, corpus) -> Dict:
     cuda_sync()
     delink_s = time.perf_counter() - start  # the report's seconds, and any device work still queued at its end
     engine.engine.destroy()
-    return {
+    del engine
+    gc.collect()
+    return {"delink_s": delink_s, "pseudo_step_s": pseudo_step, "report": report}
+
+
+def delink_vs_copy(args, corpus) -> Dict:
+    """Time, in one process, on the device the engine trains on: one clone of the real model's parameters (the
+    same bytes, allocated and copied), three clones of them (the bytes a ZeRO-0 delink writes: the parameters and
+    two Adam moments), and ``--delinks`` delinks of the pseudo model after one step, one after another. On a
+    machine that backs new memory slowly, the first delink pays for memory the process never had; the later ones
+    run on memory it has had, as the clones after the first do."""
+    import torch
+
+    from ds_pseudo_real.controller import build_device
+    from ds_pseudo_real.models import GPT, GPTConfig
+
+    cfg = GPTConfig(seq_len=args.big_seq_len, n_layer=args.big_layers, d_model=args.big_d_model,
+                    n_head=args.big_d_model // 128)
+    with torch.device("meta"):
+        shapes = [p.shape for p in GPT(cfg).parameters()]
+    real_numel = sum(s.numel() for s in shapes)
+    device = build_device()
+    source = [torch.ones(s, device=device) for s in shapes]
+    copies = timed_clones(source, args.copy_repeats)
+    stage_writes = timed_clones(source, args.copy_repeats, copies=3)
+    del source
+    gc.collect()
+    runs = [one_delink(args, cfg, corpus) for _ in range(args.delinks)]
+    report = runs[0]["report"]
+    copy_s = median(copies)
+    out = {
         "real_parameters": real_numel, "layers": args.big_layers, "d_model": args.big_d_model,
         "parameters_before": report["parameters_before"], "parameters_after": report["parameters_after"],
-        "optimizer_state": report["optimizer_state"], "delink_s": delink_s, "delink_report_s": report["seconds"],
-        "copy_s_median": median(copies), "copy_s_all": copies, "device": str(device),
-        "delink_over_copy": delink_s / median(copies), "pseudo_step_s": pseudo_step,
+        "optimizer_state": report["optimizer_state"], "delink_s": runs[0]["delink_s"],
+        "delink_report_s": report["seconds"], "copy_s_median": copy_s, "copy_s_all": copies, "device": str(device),
+        "delink_over_copy": runs[0]["delink_s"] / copy_s, "pseudo_step_s": runs[0]["pseudo_step_s"],
         "memory_after_bytes": report["memory_after"], "phases": report["phases"],
+        "three_copies_s_median": median(stage_writes), "three_copies_s_all": stage_writes,
+        "delinks_s": [r["delink_s"] for r in runs], "delinks_phases": [r["report"]["phases"] for r in runs],
     }
+    if len(runs) > 1:
+        out["last_delink_over_copy"] = runs[-1]["delink_s"] / copy_s
+        out["last_delink_over_three_copies"] = runs[-1]["delink_s"] / median(stage_writes)
+    return out
 
 
 def parse_args(argv=None):
@@ -191,6 +222,8 @@ def parse_args(argv=None):
     p.add_argument("--big-seq-len", type=int, default=8)
     p.add_argument("--policy", default="scale", choices=("copy", "scale", "reset"))
     p.add_argument("--copy-repeats", type=int, default=3)
+    p.add_argument("--delinks", type=int, default=1,
+                   help="delinks timed one after another in the process (the later ones on memory it has had)")
     p.add_argument("--skip-delink", action="store_true")
     p.add_argument("--delink-only", action="store_true",
                    help="only the delink against one copy (no step-overhead rounds) -> overhead_delink.json")
@@ -223,11 +256,13 @@ def main(argv=None) -> int:
         d = delink_vs_copy(args, corpus)
         result["delink"] = d
         delink_table = markdown_table(
-            ["real params", "pseudo params", "policy", "delink s", "one copy of real params s", "delink / copy",
-             "phases s"],
-            [[f"{d['real_parameters']:,}", f"{d['parameters_before']:,}", d["optimizer_state"], f"{d['delink_s']:.2f}",
-              f"{d['copy_s_median']:.2f}", f"{d['delink_over_copy']:.1f}",
-              ", ".join(f"{k} {v:.2f}" for k, v in d["phases"].items())]])
+            ["real params", "pseudo params", "policy", "delink", "delink s", "one copy of real params s",
+             "delink / copy", "three copies s", "delink / three copies", "phases s"],
+            [[f"{d['real_parameters']:,}", f"{d['parameters_before']:,}", d["optimizer_state"], f"{i + 1} of {len(d['delinks_s'])}",
+              f"{seconds:.2f}", f"{d['copy_s_median']:.2f}", f"{seconds / d['copy_s_median']:.1f}",
+              f"{d['three_copies_s_median']:.2f}", f"{seconds / d['three_copies_s_median']:.2f}",
+              ", ".join(f"{k} {v:.2f}" for k, v in phases.items())]
+             for i, (seconds, phases) in enumerate(zip(d["delinks_s"], d["delinks_phases"]))])
         print(delink_table, flush=True)
         table += "\n\n" + delink_table
     result["elapsed_s"] = time.perf_counter() - started

@@ -1,6 +1,7 @@
 """The benchmarks' arithmetic and code paths: clocks, steps-to-target, paired differences, the analysis of synthetic
 runs, the M6 MoE layer against a direct computation, progressive stacking on a DeepSpeed engine, the M6-10T count.
 No timing is asserted: speed figures are ratios the benchmarks measure side by side."""
+import json
 import math
 import sys
 from pathlib import Path
@@ -294,3 +295,21 @@ def test_a_budgeted_arm_trains_its_fraction_of_the_steps_on_a_schedule_fitted_to
     summary = convergence.analyse(regime, runs, {"cost": {"pseudo_g1": 1.0, "real": 2.0}})
     entry = summary["arms"][1]
     assert entry["switch_step"] == 1 and entry["cost_total"]["per_seed"][0] == 1.0 + 3 * 2.0
+
+
+def test_the_delink_timing_reports_each_delink_against_one_and_three_copies(tmp_path):
+    """benchmarks/overhead.py --delink-only at a tiny size: every delink of the run timed with its phases, beside
+    one and three clones of the real parameters, and the real model it built of the right size."""
+    from benchmarks import overhead
+    from ds_pseudo_real.models import GPT, GPTConfig
+
+    assert overhead.main(["--delink-only", "--big-layers", "3", "--big-d-model", "128", "--delinks", "2",
+                          "--copy-repeats", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "overhead_delink.json").read_text())["delink"]
+    real = sum(p.numel() for p in GPT(GPTConfig(seq_len=8, n_layer=3, d_model=128, n_head=1)).parameters())
+    assert result["real_parameters"] == result["parameters_after"] == real
+    assert len(result["delinks_s"]) == len(result["delinks_phases"]) == 2 and len(result["three_copies_s_all"]) == 2
+    assert all(list(phases) == ["gather", "release", "starts", "model", "engine", "masters", "carry"]
+               for phases in result["delinks_phases"])
+    assert result["last_delink_over_three_copies"] == pytest.approx(
+        result["delinks_s"][1] / result["three_copies_s_median"])

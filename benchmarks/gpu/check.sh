@@ -93,7 +93,7 @@ if want delink; then
   if [ "$cuda" = 1 ]; then
     # issue 14's time: the delink of a 1.0B-parameter GPT (fp32, ZeRO 0, moments scaled) on the device, against one
     # copy of its parameters there -> $OUT/overhead_delink.json (delink_over_copy, with its phases)
-    step 240 delink_time "$PY" benchmarks/overhead.py --delink-only --threads 8 --out "$OUT"
+    step 240 delink_time "$PY" benchmarks/overhead.py --delink-only --delinks 2 --threads 8 --out "$OUT"
   fi
 fi
 if want offload; then
