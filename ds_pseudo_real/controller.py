@@ -41,6 +41,7 @@ from .config import (
 from .sharing import (
     apply_sharing,
     delink_layers,
+    fill_copies,
     get_layer_list,
     group_leader,
     layer_index_of,
@@ -131,8 +132,9 @@ def _give_storage(unit: nn.Module, names: Dict[int, str], made: Dict[int, nn.Par
                   weights: Optional[Dict[str, torch.Tensor]], dtype: Optional[torch.dtype],
                   device: Optional[torch.device] = None, views: Optional[Dict[int, torch.Tensor]] = None) -> None:
     """Give the meta parameters of ``unit`` storage on ``device`` (the CPU when None; ties kept through ``made``),
-    or the view ``views`` holds for it, floating ones in ``dtype`` when given, each filled from ``weights`` as it is
-    made."""
+    or the view ``views`` holds for it, floating ones in ``dtype`` when given, then fill them from ``weights``: the
+    parameters that start from one tensor (the layers of a shared set) together, each piece of it read once."""
+    copies: Dict[int, Tuple[torch.Tensor, List[torch.Tensor]]] = {}  # by the source's id: (source, its copies)
     for module in unit.modules():
         for key, param in list(module._parameters.items()):
             if param is None or (id(param) not in made and param.device.type != "meta"):
@@ -143,10 +145,12 @@ def _give_storage(unit: nn.Module, names: Dict[int, str], made: Dict[int, nn.Par
                     storage = torch.empty_like(param, device=device or "cpu", dtype=_cast(param, dtype))
                 real = parameter_like(param, storage)
                 if weights is not None:
-                    with torch.no_grad():
-                        real.copy_(weights[names[id(param)]])
+                    source = weights[names[id(param)]]
+                    copies.setdefault(id(source), (source, []))[1].append(real)
                 made[id(param)] = real
             module._parameters[key] = made[id(param)]
+    for source, targets in copies.values():
+        fill_copies(targets, source)
 
 
 def materialize(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]],
@@ -619,14 +623,15 @@ class PseudoToRealController:
         carried = 0
         if moments:
             unfilled = ds_state.seed_optimizer_state(engine, counters)
-            starts: Dict[str, Dict[str, torch.Tensor]] = {}  # one per shared parameter: set_full_moments copies
+            copies: Dict[str, Tuple[int, List[nn.Parameter]]] = {}  # by shared parameter: (members, its copies)
             for name, param in engine.module.named_parameters():
                 source, members = self._source_name(name, old, new)
-                if source in moments:  # the pseudo moments go as soon as their starting values exist
-                    starts[source] = member_moments(policy, moments.pop(source), members)
-                if source in starts:
-                    ds_state.set_full_moments(engine, param, starts[source], unfilled)
-                    carried += 1
+                if source in moments:
+                    copies.setdefault(source, (members, []))[1].append(param)
+            for source, (members, params) in copies.items():  # one shared parameter's moments at a time
+                start_moments = member_moments(policy, moments.pop(source), members)
+                ds_state.set_full_moments_of_copies(engine, params, start_moments, unfilled)
+                carried += len(params)
             ds_state.zero_unwritten_moments(engine, unfilled)  # parameters whose source had no moments
         lap("carry")  # steps, LR schedule and the optimizer state
         self.state.switch_step = self.engine.global_steps

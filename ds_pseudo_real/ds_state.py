@@ -29,6 +29,8 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 
+from .sharing import fill_copies
+
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 # The releases this module's uses of DeepSpeed and torch internals were written and tested against: [low, high).
 SUPPORTED_VERSIONS = {"deepspeed": ("0.19.0", "0.20.0"), "torch": ("2.4.0", "2.15.0")}
@@ -377,6 +379,27 @@ def set_full_moments(engine, param: torch.nn.Parameter, moments: Dict[str, torch
         state[key].copy_(moments[key])
     if unfilled is not None:
         unfilled.pop(id(master), None)
+
+
+def set_full_moments_of_copies(engine, params: Iterable[torch.nn.Parameter], moments: Dict[str, torch.Tensor],
+                               unfilled: Optional[Dict[int, torch.Tensor]] = None) -> None:
+    """Write the same full fp32 ``moments`` into every parameter of ``params`` (the copies of one shared parameter,
+    after :func:`seed_optimizer_state`): the states of their own together, each piece of the moments read once
+    (:func:`~ds_pseudo_real.sharing.fill_copies`); DeepSpeed's flat partitions one parameter after another."""
+    states = {key: [] for key in MOMENT_KEYS}
+    for param in params:
+        if _is_managed(param):
+            set_full_moments(engine, param, moments)
+            continue
+        master = _master(engine, param)
+        state = _optimizer_state(engine, master)
+        for key in MOMENT_KEYS:
+            states[key].append(state[key])
+        if unfilled is not None:
+            unfilled.pop(id(master), None)
+    for key, targets in states.items():
+        if targets:
+            fill_copies(targets, moments[key])
 
 
 def _local_numel(param: torch.nn.Parameter) -> int:

@@ -1,8 +1,9 @@
 """Sharing and delinking of a model's layer list, in plain torch.
 
 Owns: finding the layer list by dotted path, grouping layers, tying a group's parameters to one set,
-delinking them into independent copies, and remapping state dicts between the compact (pseudo) and the full
-(real) key layout. Must not touch DeepSpeed or Megatron: both build on these functions.
+delinking them into independent copies, writing one shared value into its copies, and remapping state dicts
+between the compact (pseudo) and the full (real) key layout. Must not touch DeepSpeed or Megatron: both build on
+these functions.
 """
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import torch
 from torch import nn
 
 from .config import ConfigError
+
+# The piece of a shared value read once and written into all its copies while it is still in cache.
+FILL_PIECE_BYTES = 4 << 20
 
 
 def get_layer_list(model: nn.Module, path: str) -> nn.ModuleList:
@@ -94,6 +98,30 @@ def parameter_like(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
     new = nn.Parameter(data, requires_grad=param.requires_grad)
     new.__dict__.update(param.__dict__)
     return new
+
+
+def fill_copies(targets: Sequence[torch.Tensor], source: torch.Tensor) -> None:
+    """Write ``source`` into every tensor of ``targets`` (its shape; any dtype and device), reading each piece of it
+    once for all of them: a piece of ``FILL_PIECE_BYTES`` is written into every target (moved once to each other
+    device that has targets) before the next piece is read. Copying the source into one target after another reads
+    all of it once per target, a third of the bytes a delink that carries Adam moments moves."""
+    for target in targets:
+        if target.shape != source.shape:
+            raise ValueError(f"a copy of shape {tuple(target.shape)} for a source of shape {tuple(source.shape)}")
+    flat = source.detach().reshape(-1)
+    step = max(1, FILL_PIECE_BYTES // flat.element_size())
+    with torch.no_grad():
+        whole = [t for t in targets if not t.is_contiguous()]  # no flat view to write pieces into
+        for target in whole:
+            target.copy_(source)
+        outs = [t.detach().view(-1) for t in targets if t.is_contiguous()]
+        for start in range(0, flat.numel(), step):
+            piece = flat[start:start + step]
+            moved = {piece.device: piece}
+            for out in outs:
+                if out.device not in moved:
+                    moved[out.device] = piece.to(out.device)
+                out[start:start + step].copy_(moved[out.device])
 
 
 def delink_layers(model: nn.Module, path: str) -> nn.Module:

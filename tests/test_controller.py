@@ -335,3 +335,29 @@ def test_zero0_moments_are_written_once_and_those_with_no_source_zeroed(dtype, m
     assert all(not torch.isnan(m).any() for n, p in real.items()
                for m in full_moments(engine.engine, p, n).values())
     engine.engine.destroy()
+
+
+def test_zero0_moments_of_a_shared_parameter_are_written_into_all_its_layers_together(monkeypatch):
+    """The carry writes the moments of one shared parameter into the states of all the layers it starts at once
+    (fill_copies: each piece read once), one shared parameter at a time, and the values are the policy's."""
+    written = []
+    fill_copies = ds_state.fill_copies
+
+    def recording(targets, source):
+        written.append((len(targets), tuple(source.shape)))
+        fill_copies(targets, source)
+
+    monkeypatch.setattr(ds_state, "fill_copies", recording)
+    engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(0, "fp32", "scale", switch=1))
+    engine.backward(engine(*fixed_batch(0)))
+    engine.step()
+    assert engine.stage == "real"
+    real = dict(engine.module.named_parameters())
+    layer_names = [n for n in real if n.startswith("layers.0.")]
+    other_names = [n for n in real if not n.startswith("layers.")]
+    # two moments per shared parameter: a layer parameter's into its 4 layers, any other's into itself
+    assert sorted(written) == sorted([(4, tuple(real[n].shape)) for n in layer_names for _ in range(2)]
+                                     + [(1, tuple(real[n].shape)) for n in other_names for _ in range(2)])
+    first, last = (ds_state.full_moments(engine.engine, real[f"layers.{i}.fc.weight"]) for i in (0, 3))
+    assert all(torch.equal(first[k], last[k]) for k in ds_state.MOMENT_KEYS)
+    engine.engine.destroy()

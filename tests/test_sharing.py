@@ -112,3 +112,56 @@ def test_layer_list_by_dotted_path_and_clear_errors():
         get_layer_list(model, "transformer.blocks")
     with pytest.raises(ValueError, match="is a Linear, expected an nn.ModuleList"):
         get_layer_list(model, "transformer.wte")
+
+
+class SourceReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (element offset, elements) of every copy that reads ``source``'s storage, in order."""
+
+    def __init__(self, source):
+        super().__init__()
+        self.pointer, self.reads = source.untyped_storage().data_ptr(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
+            read = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            if read.untyped_storage().data_ptr() == self.pointer:
+                self.reads.append((read.storage_offset(), read.numel()))
+        return func(*args, **(kwargs or {}))
+
+
+def test_fill_copies_reads_each_piece_of_the_source_once_for_all_its_copies(monkeypatch):
+    """A piece of the source (16 fp32 elements here) is written into every copy before the next piece is read, so
+    it is read from memory once for all of them; the copies equal the source in their own dtype, and a copy of
+    another shape is refused before anything is written."""
+    from ds_pseudo_real import sharing
+
+    monkeypatch.setattr(sharing, "FILL_PIECE_BYTES", 64)
+    source = torch.randn(10, 7)
+    targets = [torch.empty(10, 7) for _ in range(3)] + [torch.empty(10, 7, dtype=torch.bfloat16)]
+    with SourceReads(source) as recorded:
+        sharing.fill_copies(targets, source)
+    assert all(torch.equal(t, source.to(t.dtype)) for t in targets)
+    pieces = [(start, min(16, 70 - start)) for start in range(0, 70, 16)]
+    assert recorded.reads == [piece for piece in pieces for _ in targets]  # each piece, every copy, in turn
+    with pytest.raises(ValueError, match=r"a copy of shape \(7, 10\) for a source of shape \(10, 7\)"):
+        sharing.fill_copies([torch.empty(10, 7), torch.empty(7, 10)], source)
+
+
+def test_the_real_model_is_built_reading_each_shared_value_once_for_all_its_layers(monkeypatch):
+    """materialize fills the layers that start from one shared tensor together (fill_copies), not one layer after
+    another: the same values, each piece of the shared tensor read once for its four layers."""
+    from ds_pseudo_real import sharing
+    from ds_pseudo_real.controller import materialize
+
+    monkeypatch.setattr(sharing, "FILL_PIECE_BYTES", 256)
+    with torch.device("meta"):
+        skeleton = GPT(CFG)
+    shared = torch.randn(skeleton.layers[0].fc.weight.shape)
+    weights = {name: torch.randn(p.shape) for name, p in skeleton.named_parameters()}
+    for i in range(4):
+        weights[f"layers.{i}.fc.weight"] = shared
+    with SourceReads(shared) as recorded:
+        model = materialize(skeleton, weights)
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+    assert len(recorded.reads) == 4 * (shared.numel() // 64) and max(n for _, n in recorded.reads) == 64
+    assert [start for start, _ in recorded.reads] == sorted(start for start, _ in recorded.reads)
