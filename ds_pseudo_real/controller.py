@@ -2,10 +2,11 @@
 
 Owns: the current engine (pseudo, then real), the training state, the callback list, the in-process delink
 (gather full fp32 weights and moments, on the device unless the job offloads -> destroy -> build the real model in
-the working dtype, a parameter at a time, where it will train: the engine's device, granular offload's host_params
-layers in their host allocations -> new engine, its fp32 masters set from the gathered weights -> carry steps, LR
-schedule and the optimizer state per policy) and checkpoint save/load across stages. Sharing math lives in
-``sharing``, trigger and policy math in ``transition``, DeepSpeed internals in ``ds_state``.
+the working dtype, each shared value read once for all its layers, where it will train: the engine's device,
+granular offload's host_params layers in their host allocations -> new engine, its fp32 masters set from the
+gathered weights -> carry steps, LR schedule and the optimizer state per policy) and checkpoint save/load across
+stages. Sharing math lives in ``sharing``, trigger and policy math in ``transition``, DeepSpeed internals in
+``ds_state``.
 """
 from __future__ import annotations
 
@@ -159,8 +160,8 @@ def materialize(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]],
     """Give the skeleton's parameters real storage on ``device`` (the CPU when None; ties kept), or the storage
     ``views`` holds for a parameter's id (granular offload's host layers), filled from ``weights`` when given, in
     ``dtype`` (floating parameters; the engine's working dtype, which DeepSpeed would cast them to) or their own:
-    each parameter is made and filled in turn, so the model is never held in a wider dtype than it trains in, nor
-    anywhere but where it will train."""
+    each parameter is made in that dtype where it will train and filled there (the parameters that start from one
+    tensor together), so the model is never held in a wider dtype than it trains in, nor anywhere else."""
     names = _parameter_names(skeleton, weights)
     _give_storage(skeleton, names, {}, weights, dtype, device, views)
     return skeleton

@@ -299,15 +299,15 @@ def _unfilled_like(tensor: torch.Tensor) -> torch.Tensor:
 
 def seed_optimizer_state(engine, counters: Dict[str, Any]) -> Dict[int, torch.Tensor]:
     """Create moments and the given step counters for every tensor the optimizer steps; returns the tensors whose
-    moments were left unfilled, by id, for :func:`set_full_moments` to write and :func:`zero_unwritten_moments` to
-    zero where it did not.
+    moments were left unfilled, by id, for :func:`set_full_moments_of_copies` to write and
+    :func:`zero_unwritten_moments` to zero where it did not.
 
     Optimizers create their state lazily at the first step, and DeepSpeed links its per-parameter views of the
     flat fp32 partitions to that state only then; seeding first makes the moments settable before any step.
     DeepSpeed's flat partitions (ZeRO 1-3, the bf16 optimizer) get zero moments: their padding is nobody's to
     write. A tensor stepped with a state of its own (ZeRO 0: the parameter, or the unfused optimizer's fp32 copy of
-    it) is written whole by :func:`set_full_moments`, so its moments are allocated unfilled: one pass over their
-    bytes instead of two. Granular offload's optimizer seeds its own (``seed_states``, zero moments): each group's
+    it) is written whole by :func:`set_full_moments_of_copies`, so its moments are allocated unfilled: one pass over
+    their bytes instead of two. Granular offload's optimizer seeds its own (``seed_states``, zero moments): each group's
     state where its level steps it.
     """
     optimizer = basic_optimizer(engine)
@@ -337,16 +337,14 @@ def seed_optimizer_state(engine, counters: Dict[str, Any]) -> Dict[int, torch.Te
     return unfilled
 
 
-def zero_unwritten_moments(engine, unfilled: Dict[int, torch.Tensor]) -> int:
-    """Zero the moments of the tensors :func:`seed_optimizer_state` left unfilled that :func:`set_full_moments` did
-    not write (a parameter whose source had no moments); returns how many tensors that was."""
+def zero_unwritten_moments(engine, unfilled: Dict[int, torch.Tensor]) -> None:
+    """Zero the moments of the tensors :func:`seed_optimizer_state` left unfilled that
+    :func:`set_full_moments_of_copies` did not write (a parameter whose source had no moments)."""
     for tensor in unfilled.values():
         state = _optimizer_state(engine, tensor)
         for key in MOMENT_KEYS:
             state[key].zero_()
-    count = len(unfilled)
     unfilled.clear()
-    return count
 
 
 def relink_optimizer_state(engine) -> None:
@@ -364,32 +362,21 @@ def relink_optimizer_state(engine) -> None:
 
 def set_full_moments(engine, param: torch.nn.Parameter, moments: Dict[str, torch.Tensor],
                      unfilled: Optional[Dict[int, torch.Tensor]] = None) -> None:
-    """Write full fp32 ``moments`` of ``param`` (after :func:`seed_optimizer_state`, whose ``unfilled`` this
-    write removes ``param``'s tensor from)."""
-    if _is_managed(param):
-        for key in MOMENT_KEYS:
-            safe_set_full_optimizer_state(param, moments[key].to(param.device), key)
-        return
-    master = _master(engine, param)
-    state = _optimizer_state(engine, master)
-    for key in MOMENT_KEYS:
-        if state[key].shape != moments[key].shape:
-            raise ValueError(f"moments of shape {tuple(moments[key].shape)} for a parameter of shape "
-                             f"{tuple(state[key].shape)}")
-        state[key].copy_(moments[key])
-    if unfilled is not None:
-        unfilled.pop(id(master), None)
+    """Write full fp32 ``moments`` of ``param``: :func:`set_full_moments_of_copies` for one parameter."""
+    set_full_moments_of_copies(engine, [param], moments, unfilled)
 
 
 def set_full_moments_of_copies(engine, params: Iterable[torch.nn.Parameter], moments: Dict[str, torch.Tensor],
                                unfilled: Optional[Dict[int, torch.Tensor]] = None) -> None:
     """Write the same full fp32 ``moments`` into every parameter of ``params`` (the copies of one shared parameter,
-    after :func:`seed_optimizer_state`): the states of their own together, each piece of the moments read once
-    (:func:`~ds_pseudo_real.sharing.fill_copies`); DeepSpeed's flat partitions one parameter after another."""
+    after :func:`seed_optimizer_state`, whose ``unfilled`` these writes remove them from): the states of their own
+    together, each piece of the moments read once (:func:`~ds_pseudo_real.sharing.fill_copies`, which refuses a
+    moment of another shape); DeepSpeed's flat partitions one parameter after another."""
     states = {key: [] for key in MOMENT_KEYS}
     for param in params:
         if _is_managed(param):
-            set_full_moments(engine, param, moments)
+            for key in MOMENT_KEYS:
+                safe_set_full_optimizer_state(param, moments[key].to(param.device), key)
             continue
         master = _master(engine, param)
         state = _optimizer_state(engine, master)
