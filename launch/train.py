@@ -283,13 +283,19 @@ def train(argv: Optional[List[str]] = None) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``train``, with the plugin's errors as one message from rank 0 (every rank stops with exit status 2)."""
+    """``train``, with the plugin's errors as one message from rank 0 (every rank stops with exit status 2).
+
+    The process group is destroyed before returning, however ``train`` ends: left to the interpreter's teardown,
+    gloo's worker threads can free tensors after Python has gone and abort a rank (SIGABRT) whose run passed."""
     try:
         return train(argv)
     except (CheckpointError, ConfigError) as error:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -104,3 +104,22 @@ def test_console_script_help_lists_commands():
 
     assert main(["--help"]) == 0
     assert main(["bogus"]) == 2
+
+
+def test_main_job_destroys_its_process_group_before_it_returns(tmp_path):
+    """A rank that leaves with gloo's process group alive can abort in the interpreter's teardown (SIGABRT after a
+    run that passed: gloo's worker threads still hold tensors there), which fails the job. ``main`` destroys the
+    group, on success and on the plugin's errors."""
+    driver = ("import sys; import torch.distributed as dist; from launch.train import main; rc = main(sys.argv[1:]); "
+              "print('process group alive after main:', dist.is_initialized()); sys.exit(rc)")
+    config = tiny_config(tmp_path, steps=2, switch=1)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**json.loads(config.read_text()), "pseudo_to_rael": {}}))
+    for path, status in ((config, 0), (bad, 2)):
+        env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+        proc = subprocess.run([sys.executable, "-c", driver, "--deepspeed_config", str(path), "--output-dir",
+                               str(tmp_path / path.stem), *TINY], env=env, cwd=REPO, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "process group alive after main: False" in proc.stdout, proc.stdout[-3000:]
+    assert "pseudo_to_rael" in proc.stderr
