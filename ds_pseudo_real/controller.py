@@ -623,7 +623,7 @@ class PseudoToRealController:
         _copy_lrs(lrs, engine.optimizer)
         carried = 0
         if moments:
-            unfilled = ds_state.seed_optimizer_state(engine, counters)
+            unwritten = ds_state.seed_optimizer_state(engine, counters)
             copies: Dict[str, Tuple[int, List[nn.Parameter]]] = {}  # by shared parameter: (members, its copies)
             for name, param in engine.module.named_parameters():
                 source, members = self._source_name(name, old, new)
@@ -631,9 +631,9 @@ class PseudoToRealController:
                     copies.setdefault(source, (members, []))[1].append(param)
             for source, (members, params) in copies.items():  # one shared parameter's moments at a time
                 start_moments = member_moments(policy, moments.pop(source), members)
-                ds_state.set_full_moments_of_copies(engine, params, start_moments, unfilled)
+                ds_state.set_full_moments_of_copies(engine, params, start_moments, unwritten)
                 carried += len(params)
-            ds_state.zero_unwritten_moments(engine, unfilled)  # parameters whose source had no moments
+            unwritten.zero_rest()  # padding, and parameters whose source had no moments
         lap("carry")  # steps, LR schedule and the optimizer state
         self.state.switch_step = self.engine.global_steps
         report = {

@@ -18,7 +18,7 @@ import copy
 import functools
 import math
 import os
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from deepspeed.runtime.utils import combine_grad_norm_groups
@@ -293,58 +293,86 @@ def step_counters(engine) -> Dict[str, Any]:
 
 
 def _unfilled_like(tensor: torch.Tensor) -> torch.Tensor:
-    """New fp32 memory shaped like ``tensor``, left as the allocator gives it: for state written whole next."""
+    """New fp32 memory shaped like ``tensor``, left as the allocator gives it: for state written next."""
     return torch.empty_like(tensor, dtype=torch.float32)
 
 
-def seed_optimizer_state(engine, counters: Dict[str, Any]) -> Dict[int, torch.Tensor]:
-    """Create moments and the given step counters for every tensor the optimizer steps; returns the tensors whose
-    moments were left unfilled, by id, for :func:`set_full_moments_of_copies` to write and
-    :func:`zero_unwritten_moments` to zero where it did not.
+class UnwrittenMoments:
+    """The moments :func:`seed_optimizer_state` left unfilled, and the spans of them written since: whatever is still
+    unwritten when the carry ends is zeroed by :meth:`zero_rest` (a flat partition's padding, a parameter whose source
+    had no moments, a parameter whose optimizer state nothing carried into)."""
+
+    def __init__(self) -> None:
+        self._moments: Dict[int, Tuple[torch.Tensor, List[Tuple[int, int]]]] = {}  # by storage address
+
+    def __len__(self) -> int:
+        return len(self._moments)
+
+    def add(self, moment: torch.Tensor) -> None:
+        if moment.numel():
+            self._moments[moment.untyped_storage().data_ptr()] = (moment, [])
+
+    def wrote(self, part: torch.Tensor) -> None:
+        """``part``, one of the moments or a contiguous span of a flat one, now holds its values."""
+        record = self._moments.get(part.untyped_storage().data_ptr()) if part.numel() else None
+        if record is not None:
+            moment, spans = record
+            spans.append((part.storage_offset() - moment.storage_offset(), part.numel()))
+
+    def zero_rest(self) -> None:
+        for moment, spans in self._moments.values():
+            if not spans:
+                moment.zero_()
+                continue
+            flat, at = moment.view(-1), 0
+            for start, numel in sorted(spans):
+                if start > at:
+                    flat[at:start].zero_()
+                at = max(at, start + numel)
+            flat[at:].zero_()
+        self._moments.clear()
+
+
+def seed_optimizer_state(engine, counters: Dict[str, Any]) -> UnwrittenMoments:
+    """Create moments and the given step counters for every tensor the optimizer steps; returns the moments left
+    unfilled, for :func:`set_full_moments_of_copies` to write and :meth:`UnwrittenMoments.zero_rest` to zero where
+    it did not.
 
     Optimizers create their state lazily at the first step, and DeepSpeed links its per-parameter views of the
     flat fp32 partitions to that state only then; seeding first makes the moments settable before any step.
-    DeepSpeed's flat partitions (ZeRO 1-3, the bf16 optimizer) get zero moments: their padding is nobody's to
-    write. A tensor stepped with a state of its own (ZeRO 0: the parameter, or the unfused optimizer's fp32 copy of
-    it) is written whole by :func:`set_full_moments_of_copies`, so its moments are allocated unfilled: one pass over
-    their bytes instead of two. Granular offload's optimizer seeds its own (``seed_states``, zero moments): each group's
-    state where its level steps it.
+    The carry writes every moment it has a source for, so the moments are allocated unfilled: one pass over their
+    bytes instead of two. That covers a tensor stepped with a state of its own (ZeRO 0: the parameter, or the unfused
+    optimizer's fp32 copy of it), written whole, and DeepSpeed's flat partitions of ZeRO 1/2 and the bf16 optimizer,
+    written a parameter's fragment at a time. ZeRO-3's sub-groups get zero moments (DeepSpeed writes them through its
+    own partitioned path), and so do granular offload's states (``seed_states``: each group's state where its level
+    steps it).
     """
     optimizer = basic_optimizer(engine)
+    unwritten = UnwrittenMoments()
     seed_states = getattr(optimizer, "seed_states", None)
     if seed_states is not None:
         steps = [counters["state_step"], *counters["group_steps"]]
         seed_states(next((s for s in steps if s is not None), 0))
         relink_optimizer_state(engine)
-        return {}
+        return unwritten
     group_steps = counters["group_steps"]
     for index, group in enumerate(optimizer.param_groups):
         step = group_steps[index] if index < len(group_steps) else group_steps[-1] if group_steps else None
         if step is not None:
             group["step"] = copy.deepcopy(step)
-    whole = {id(_master(engine, p)) for p in engine.module.parameters() if not _is_managed(p)}
-    unfilled = {}
+    zero3 = any(hasattr(p, "ds_id") for p in engine.module.parameters())
     for _, tensor in _stepped_tensors(engine):
         state = _optimizer_state(engine, tensor)
         for key in MOMENT_KEYS:
-            state[key] = _unfilled_like(tensor) if id(tensor) in whole else torch.zeros_like(tensor,
-                                                                                             dtype=torch.float32)
-        if id(tensor) in whole:
-            unfilled[id(tensor)] = tensor
+            if zero3:
+                state[key] = torch.zeros_like(tensor, dtype=torch.float32)
+            else:
+                state[key] = _unfilled_like(tensor)
+                unwritten.add(state[key])
         if counters["state_step"] is not None:
             state["step"] = copy.deepcopy(counters["state_step"])
     relink_optimizer_state(engine)
-    return unfilled
-
-
-def zero_unwritten_moments(engine, unfilled: Dict[int, torch.Tensor]) -> None:
-    """Zero the moments of the tensors :func:`seed_optimizer_state` left unfilled that
-    :func:`set_full_moments_of_copies` did not write (a parameter whose source had no moments)."""
-    for tensor in unfilled.values():
-        state = _optimizer_state(engine, tensor)
-        for key in MOMENT_KEYS:
-            state[key].zero_()
-    unfilled.clear()
+    return unwritten
 
 
 def relink_optimizer_state(engine) -> None:
@@ -361,32 +389,36 @@ def relink_optimizer_state(engine) -> None:
 
 
 def set_full_moments(engine, param: torch.nn.Parameter, moments: Dict[str, torch.Tensor],
-                     unfilled: Optional[Dict[int, torch.Tensor]] = None) -> None:
+                     unwritten: Optional[UnwrittenMoments] = None) -> None:
     """Write full fp32 ``moments`` of ``param``: :func:`set_full_moments_of_copies` for one parameter."""
-    set_full_moments_of_copies(engine, [param], moments, unfilled)
+    set_full_moments_of_copies(engine, [param], moments, unwritten)
 
 
 def set_full_moments_of_copies(engine, params: Iterable[torch.nn.Parameter], moments: Dict[str, torch.Tensor],
-                               unfilled: Optional[Dict[int, torch.Tensor]] = None) -> None:
+                               unwritten: Optional[UnwrittenMoments] = None) -> None:
     """Write the same full fp32 ``moments`` into every parameter of ``params`` (the copies of one shared parameter,
-    after :func:`seed_optimizer_state`, whose ``unfilled`` these writes remove them from): the states of their own
+    after :func:`seed_optimizer_state`, whose ``unwritten`` record these writes go into): the states of their own
     together, each piece of the moments read once (:func:`~ds_pseudo_real.sharing.fill_copies`, which refuses a
-    moment of another shape); DeepSpeed's flat partitions one parameter after another."""
+    moment of another shape); DeepSpeed's flat partitions one parameter after another, each reading only the
+    fragment this rank holds."""
     states = {key: [] for key in MOMENT_KEYS}
     for param in params:
         if _is_managed(param):
+            mapping = getattr(param, "_hp_mapping", None)
             for key in MOMENT_KEYS:
                 safe_set_full_optimizer_state(param, moments[key].to(param.device), key)
+                if mapping is not None and unwritten is not None:
+                    unwritten.wrote(mapping.get_optim_state_fragment(key))
             continue
-        master = _master(engine, param)
-        state = _optimizer_state(engine, master)
+        state = _optimizer_state(engine, _master(engine, param))
         for key in MOMENT_KEYS:
             states[key].append(state[key])
-        if unfilled is not None:
-            unfilled.pop(id(master), None)
     for key, targets in states.items():
         if targets:
             fill_copies(targets, moments[key])
+            if unwritten is not None:
+                for target in targets:
+                    unwritten.wrote(target)
 
 
 def _local_numel(param: torch.nn.Parameter) -> int:

@@ -280,12 +280,14 @@ def test_the_model_is_built_on_the_device_the_engine_trains_on(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_zero0_moments_are_written_once_and_those_with_no_source_zeroed(dtype, monkeypatch):
-    """ZeRO 0 steps each parameter (bf16: the unfused optimizer's fp32 copy of it) with a state of its own, which
-    the delink writes whole: its moments are allocated unfilled and written once, not zero-filled first (a second
-    pass over 8 bytes per real parameter). A parameter whose source has no moments (DeepSpeed gives every trainable
-    parameter a gradient, so that here is an optimizer that keeps none for a parameter it never moved) gets zeros.
-    The unfilled memory is NaN here, so that any element left unwritten shows."""
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, monkeypatch):
+    """The delink allocates the moments unfilled and writes them once, not zero-filled first (a second pass over 8
+    bytes per real parameter): ZeRO 0 writes each parameter's state (bf16: the unfused optimizer's fp32 copy) whole,
+    ZeRO 1/2 each parameter's fragment of the flat partition. What has no source is zeroed: a parameter whose source
+    has no moments (DeepSpeed gives every trainable parameter a gradient, so that here is an optimizer that keeps
+    none for a parameter it never moved), and the flat partitions' padding. The unfilled memory is NaN here, so that
+    any element left unwritten shows."""
     unfilled = []
 
     def poisoned(tensor):
@@ -295,13 +297,14 @@ def test_zero0_moments_are_written_once_and_those_with_no_source_zeroed(dtype, m
     full_moments = ds_state.full_moments
 
     def none_for_idle(engine, param, name="", device=None):
-        return None if name.endswith(".idle") else full_moments(engine, param, name, device)
+        return None if name.endswith("idle") else full_moments(engine, param, name, device)
 
     monkeypatch.setattr(ds_state, "_unfilled_like", poisoned)
     monkeypatch.setattr(ds_state, "full_moments", none_for_idle)
     model = tiny_gpt()
     for layer in model.layers:  # in no forward: a zero gradient, and no moments from the optimizer above
         layer.register_parameter("idle", nn.Parameter(torch.zeros(7)))
+    model.register_parameter("idle", nn.Parameter(torch.zeros(3)))  # an odd total: ZeRO 1/2 pad their flats
     seen = {}
 
     class Moments(ds_pseudo_real.TrainingCallback):
@@ -310,20 +313,26 @@ def test_zero0_moments_are_written_once_and_those_with_no_source_zeroed(dtype, m
                 seen["pseudo"] = {n: full_moments(engine.engine, p, n)
                                   for n, p in engine.module.named_parameters()}
 
-    engine, *_ = ds_pseudo_real.initialize(model=model, config=config(0, dtype, "copy", switch=2),
+    engine, *_ = ds_pseudo_real.initialize(model=model, config=config(stage, dtype, "copy", switch=2),
                                            callbacks=[Moments()])
     for step in range(2):
         engine.backward(engine(*fixed_batch(step)))
         engine.step()
     assert engine.stage == "real"
     real = dict(engine.module.named_parameters())
-    carried = [n for n in real if not n.endswith(".idle")]
-    assert sum(unfilled) == 2 * sum(p.numel() for p in real.values())  # every moment, the idle ones' too
+    carried = [n for n in real if not n.endswith("idle")]
+    stepped = [tensor for _, tensor in ds_state._stepped_tensors(engine.engine)]
+    assert sum(unfilled) == 2 * sum(t.numel() for t in stepped)  # every moment, the idle ones' and padding too
+    if stage:
+        assert sum(t.numel() for t in stepped) > sum(p.numel() for p in real.values())  # the flats are padded
+    states = [ds_state._optimizer_state(engine.engine, tensor) for tensor in stepped]
+    assert all(not state[k].isnan().any() for state in states for k in ds_state.MOMENT_KEYS)  # all written
     assert engine.last_transition["moments_carried"] == len(carried)
     for name, param in real.items():
         moments = full_moments(engine.engine, param, name)
-        if name.endswith(".idle"):
-            assert all(torch.equal(moments[k], torch.zeros(7)) for k in ds_state.MOMENT_KEYS), name
+        if name.endswith("idle"):
+            assert all(torch.equal(moments[k], torch.zeros_like(param, dtype=torch.float32))
+                       for k in ds_state.MOMENT_KEYS), name
             continue
         source = "layers.0." + name.split(".", 2)[2] if name.startswith("layers.") else name
         assert all(torch.equal(moments[k], seen["pseudo"][source][k]) for k in ds_state.MOMENT_KEYS), name
