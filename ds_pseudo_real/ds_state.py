@@ -292,45 +292,57 @@ def step_counters(engine) -> Dict[str, Any]:
     }
 
 
-def _unfilled_like(tensor: torch.Tensor) -> torch.Tensor:
-    """New fp32 memory shaped like ``tensor``, left as the allocator gives it: for state written next."""
-    return torch.empty_like(tensor, dtype=torch.float32)
+def unfilled(shape, device, pin_memory: bool = False) -> torch.Tensor:
+    """New contiguous fp32 memory, left as the allocator gives it: for moments the delink writes next."""
+    return torch.empty(shape, dtype=torch.float32, device=device, pin_memory=pin_memory)
+
+
+def _storage_address(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 class UnwrittenMoments:
-    """The moments :func:`seed_optimizer_state` left unfilled, and the spans of them written since: whatever is still
-    unwritten when the carry ends is zeroed by :meth:`zero_rest` (a flat partition's padding, a parameter whose source
-    had no moments, a parameter whose optimizer state nothing carried into)."""
+    """The moments :func:`seed_optimizer_state` left unfilled, and the spans of their memory written since: whatever
+    is still unwritten when the carry ends is zeroed by :meth:`zero_rest` (a flat partition's padding, a parameter
+    whose source had no moments). Spans are kept per storage, so moments that are views of one flat buffer (granular
+    offload's host buffers) and writes through other views of it (DeepSpeed's fragments) meet."""
 
     def __init__(self) -> None:
-        self._moments: Dict[int, Tuple[torch.Tensor, List[Tuple[int, int]]]] = {}  # by storage address
+        self._moments: Dict[int, List[torch.Tensor]] = {}  # by storage address: the moments left unfilled in it
+        self._written: Dict[int, List[Tuple[int, int]]] = {}  # by storage address: (start, end) elements written
 
     def __len__(self) -> int:
-        return len(self._moments)
+        return sum(len(moments) for moments in self._moments.values())
 
     def add(self, moment: torch.Tensor) -> None:
-        if moment.numel():
-            self._moments[moment.untyped_storage().data_ptr()] = (moment, [])
+        if not moment.is_contiguous():
+            moment.zero_()
+        elif moment.numel():
+            self._moments.setdefault(_storage_address(moment), []).append(moment)
 
     def wrote(self, part: torch.Tensor) -> None:
-        """``part``, one of the moments or a contiguous span of a flat one, now holds its values."""
-        record = self._moments.get(part.untyped_storage().data_ptr()) if part.numel() else None
-        if record is not None:
-            moment, spans = record
-            spans.append((part.storage_offset() - moment.storage_offset(), part.numel()))
+        """``part``, a contiguous tensor in the memory of a moment (the moment, or a view of it), now holds values."""
+        address = _storage_address(part) if part.numel() else None
+        if address in self._moments:
+            start = part.storage_offset()
+            self._written.setdefault(address, []).append((start, start + part.numel()))
 
     def zero_rest(self) -> None:
-        for moment, spans in self._moments.values():
-            if not spans:
-                moment.zero_()
-                continue
-            flat, at = moment.view(-1), 0
-            for start, numel in sorted(spans):
-                if start > at:
-                    flat[at:start].zero_()
-                at = max(at, start + numel)
-            flat[at:].zero_()
+        for address, moments in self._moments.items():
+            spans = sorted(self._written.get(address, []))
+            for moment in moments:
+                flat, base = moment.view(-1), moment.storage_offset()
+                at, end = base, base + moment.numel()
+                for start, stop in spans:
+                    if start >= end:
+                        break
+                    if start > at:
+                        flat[at - base:start - base].zero_()
+                    at = max(at, stop)
+                if at < end:
+                    flat[at - base:].zero_()
         self._moments.clear()
+        self._written.clear()
 
 
 def seed_optimizer_state(engine, counters: Dict[str, Any]) -> UnwrittenMoments:
@@ -343,16 +355,15 @@ def seed_optimizer_state(engine, counters: Dict[str, Any]) -> UnwrittenMoments:
     The carry writes every moment it has a source for, so the moments are allocated unfilled: one pass over their
     bytes instead of two. That covers a tensor stepped with a state of its own (ZeRO 0: the parameter, or the unfused
     optimizer's fp32 copy of it), written whole, and DeepSpeed's flat partitions of ZeRO 1/2 and the bf16 optimizer,
-    written a parameter's fragment at a time. ZeRO-3's sub-groups get zero moments (DeepSpeed writes them through its
-    own partitioned path), and so do granular offload's states (``seed_states``: each group's state where its level
-    steps it).
+    written a parameter's fragment at a time, and granular offload's states (``seed_states``: each group's state where
+    its level steps it). ZeRO-3's sub-groups get zero moments: DeepSpeed writes them through its own partitioned path.
     """
     optimizer = basic_optimizer(engine)
     unwritten = UnwrittenMoments()
     seed_states = getattr(optimizer, "seed_states", None)
     if seed_states is not None:
         steps = [counters["state_step"], *counters["group_steps"]]
-        seed_states(next((s for s in steps if s is not None), 0))
+        seed_states(next((s for s in steps if s is not None), 0), unwritten)
         relink_optimizer_state(engine)
         return unwritten
     group_steps = counters["group_steps"]
@@ -367,7 +378,7 @@ def seed_optimizer_state(engine, counters: Dict[str, Any]) -> UnwrittenMoments:
             if zero3:
                 state[key] = torch.zeros_like(tensor, dtype=torch.float32)
             else:
-                state[key] = _unfilled_like(tensor)
+                state[key] = unfilled(tensor.shape, tensor.device)
                 unwritten.add(state[key])
         if counters["state_step"] is not None:
             state["step"] = copy.deepcopy(counters["state_step"])

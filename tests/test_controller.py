@@ -1,5 +1,6 @@
 """The controller as a user meets it: drop-in for deepspeed.initialize, callables rebuilt at the delink,
 plateau switching, LR re-warmup, no loss spike after the switch with copied or scaled moments."""
+import math
 import sys
 from pathlib import Path
 
@@ -279,27 +280,33 @@ def test_the_model_is_built_on_the_device_the_engine_trains_on(monkeypatch):
     assert len(list(built.parameters())) == len(list(tiny_gpt().parameters()))
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, monkeypatch):
+GRANULAR = {"levels": ["host_params", "device", "host_optimizer", "host_params"]}
+
+
+@pytest.mark.parametrize("stage, dtype, offload", [(0, "fp32", None), (0, "bf16", None), (1, "fp32", None),
+                                                   (1, "bf16", None), (2, "fp32", None), (2, "bf16", None),
+                                                   (0, "fp32", GRANULAR), (1, "fp32", GRANULAR)])
+def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, offload, monkeypatch):
     """The delink allocates the moments unfilled and writes them once, not zero-filled first (a second pass over 8
     bytes per real parameter): ZeRO 0 writes each parameter's state (bf16: the unfused optimizer's fp32 copy) whole,
-    ZeRO 1/2 each parameter's fragment of the flat partition. What has no source is zeroed: a parameter whose source
-    has no moments (DeepSpeed gives every trainable parameter a gradient, so that here is an optimizer that keeps
-    none for a parameter it never moved), and the flat partitions' padding. The unfilled memory is NaN here, so that
-    any element left unwritten shows."""
+    ZeRO 1/2 each parameter's fragment of the flat partition, granular offload each parameter's range of its group's
+    host buffer (and on CUDA the device groups' states). What has no source is zeroed: a parameter whose source has
+    no moments (DeepSpeed gives every trainable parameter a gradient, so that here is an optimizer that keeps none
+    for a parameter it never moved), and the flat partitions' padding. The unfilled memory is NaN here, so that any
+    element left unwritten shows."""
     unfilled = []
 
-    def poisoned(tensor):
-        unfilled.append(tensor.numel())
-        return torch.full_like(tensor, float("nan"), dtype=torch.float32)
+    def poisoned(shape, device, pin_memory=False):
+        moment = torch.full(torch.Size([shape]) if isinstance(shape, int) else shape, float("nan"), device=device)
+        unfilled.append(moment.numel())
+        return moment
 
     full_moments = ds_state.full_moments
 
     def none_for_idle(engine, param, name="", device=None):
         return None if name.endswith("idle") else full_moments(engine, param, name, device)
 
-    monkeypatch.setattr(ds_state, "_unfilled_like", poisoned)
+    monkeypatch.setattr(ds_state, "unfilled", poisoned)
     monkeypatch.setattr(ds_state, "full_moments", none_for_idle)
     model = tiny_gpt()
     for layer in model.layers:  # in no forward: a zero gradient, and no moments from the optimizer above
@@ -313,8 +320,11 @@ def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, mo
                 seen["pseudo"] = {n: full_moments(engine.engine, p, n)
                                   for n, p in engine.module.named_parameters()}
 
-    engine, *_ = ds_pseudo_real.initialize(model=model, config=config(stage, dtype, "copy", switch=2),
-                                           callbacks=[Moments()])
+    cfg = config(stage, dtype, "copy", switch=2)
+    if offload:
+        cfg["granular_offload"] = offload
+        cfg["optimizer"]["params"].pop("torch_adam")
+    engine, *_ = ds_pseudo_real.initialize(model=model, config=cfg, callbacks=[Moments()])
     for step in range(2):
         engine.backward(engine(*fixed_batch(step)))
         engine.step()
@@ -323,7 +333,7 @@ def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, mo
     carried = [n for n in real if not n.endswith("idle")]
     stepped = [tensor for _, tensor in ds_state._stepped_tensors(engine.engine)]
     assert sum(unfilled) == 2 * sum(t.numel() for t in stepped)  # every moment, the idle ones' and padding too
-    if stage:
+    if stage and not offload:
         assert sum(t.numel() for t in stepped) > sum(p.numel() for p in real.values())  # the flats are padded
     states = [ds_state._optimizer_state(engine.engine, tensor) for tensor in stepped]
     assert all(not state[k].isnan().any() for state in states for k in ds_state.MOMENT_KEYS)  # all written

@@ -98,12 +98,12 @@ class HostAdam:
         self._stale_masters: set = set()
         self.trace: Optional[List[Tuple[str, str]]] = None
 
-    def buffer(self, p: torch.Tensor, kind: str) -> torch.Tensor:
+    def buffer(self, p: torch.Tensor, kind: str, filled: bool = True) -> torch.Tensor:
         """p's range, shaped like p, of the host fp32 buffer of ``kind`` (``grad``, ``master``, ``exp_avg``,
         ``exp_avg_sq``, ``staging``) of p's group: one flat allocation per group and kind (pinned on CUDA), as the
         planner counts them, not one per parameter (the pinned allocator rounds each allocation up to a power of
-        two: +64 % for a 1024 x 9984 expert matrix). Zeros when first allocated; after that it holds what was
-        written to it."""
+        two: +64 % for a 1024 x 9984 expert matrix). Zeros when first allocated (unfilled with ``filled=False``,
+        for a caller that writes all of it); after that it holds what was written to it."""
         if p not in self._where:
             self._locate()
         if p not in self._where:  # a param of no group this optimizer was given
@@ -111,8 +111,10 @@ class HostAdam:
         group, offset = self._where[p]
         flat = self._flat.get((id(group), kind))
         if flat is None:
-            flat = self._flat[(id(group), kind)] = torch.zeros(sum(q.numel() for q in group["params"]),
-                                                               dtype=torch.float32, device=HOST, pin_memory=self.pin)
+            numel = sum(q.numel() for q in group["params"])
+            flat = self._flat[(id(group), kind)] = (
+                torch.zeros(numel, dtype=torch.float32, device=HOST, pin_memory=self.pin) if filled
+                else ds_state.unfilled(numel, HOST, pin_memory=self.pin))
         return flat[offset:offset + p.numel()].view(p.shape)
 
     def allocated_bytes(self, group: Dict[str, Any], kind: str) -> int:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 
+from ds_pseudo_real import ds_state
 from ds_pseudo_real.offload.gradients import OwnGradients
 from ds_pseudo_real.offload.host_adam import BATCH_NUMEL, HOST, HOST_PARAMS, HostAdam
 from ds_pseudo_real.offload.planner import PlacementLevel
@@ -134,20 +135,29 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         ``state_dict`` packs by ``param_groups`` alone."""
         return self.own_state.setdefault(p, {}) if p in self.own_gradients.params else self.state[p]
 
-    def seed_states(self, step: Any) -> None:
-        """Zero moments and the step count ``step`` (an int or a tensor) for every param, placed where this plan
-        steps them, as a loaded checkpoint's (:meth:`_place_state`), and the CPU kernel's bias correction brought to
-        ``step``: the state a delink writes the carried moments into. Nothing is allocated on the device for a
-        group the plan steps on the host."""
+    def seed_states(self, step: Any, unwritten: Optional[ds_state.UnwrittenMoments] = None) -> None:
+        """Moments and the step count ``step`` (an int or a tensor) for every param, placed where this plan steps
+        them, as a loaded checkpoint's (:meth:`_place_state`), and the CPU kernel's bias correction brought to
+        ``step``: the state a delink writes the carried moments into. The moments are zeros, or with ``unwritten``
+        left unfilled and recorded there, for the delink to write once and zero what it did not write. Nothing is
+        allocated on the device for a group the plan steps on the host."""
         step = int(step.item()) if torch.is_tensor(step) else int(step)
         for group in self.param_groups + self.own_param_groups:
             for p in group["params"]:
-                on_device = self._steps_on_device(p, group["level"])
                 state = self.state_of(p)
                 state.clear()
-                state.update(step=step, **{key: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                                           if on_device else self.host.buffer(p, key).zero_()
-                                           for key in ("exp_avg", "exp_avg_sq")})
+                state["step"] = step
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if self._steps_on_device(p, group["level"]):
+                        moment = ds_state.unfilled(p.shape, p.device) if unwritten is not None else \
+                            torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    else:
+                        moment = self.host.buffer(p, key, filled=unwritten is None)
+                        if unwritten is None:
+                            moment.zero_()
+                    if unwritten is not None:
+                        unwritten.add(moment)
+                    state[key] = moment
                 self._place_state(state, p, group["level"])
         self.host.replay_kernel_steps(step, self.param_groups[0])
 

@@ -26,7 +26,8 @@ LEVELS = ["host_optimizer", "device", "host_optimizer", "host_params"]
 
 def seeded_optimizer(device):
     """A granular optimizer with a host_optimizer group of parameters on ``device`` and a device group on the CPU,
-    seeded by the delink's ``seed_optimizer_state`` with a step counter kept as a tensor (torch's Adam)."""
+    seeded by the delink's ``seed_optimizer_state`` with a step counter kept as a tensor (torch's Adam), with no
+    moments carried into it: what the delink leaves unwritten is zeroed."""
     host_group = [torch.nn.Parameter(torch.zeros(3, 2, device=device)) for _ in range(2)]
     device_group = [torch.nn.Parameter(torch.zeros(4))]
     optimizer = GranularOffloadOptimizer([
@@ -34,7 +35,7 @@ def seeded_optimizer(device):
         {"params": device_group, "placement": "other", "level": PlacementLevel.DEVICE.value},
     ])
     engine = SimpleNamespace(optimizer=optimizer)  # stage 0 fp32: the engine's optimizer is the client optimizer
-    ds_state.seed_optimizer_state(engine, {"state_step": torch.tensor(5.0), "group_steps": [None, None]})
+    ds_state.seed_optimizer_state(engine, {"state_step": torch.tensor(5.0), "group_steps": [None, None]}).zero_rest()
     return optimizer, host_group, device_group
 
 
