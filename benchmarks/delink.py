@@ -91,7 +91,7 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def worker(model: str, zero: int, policy: str, size: str, dtype: str = "fp32") -> Dict:
+def worker(model: str, zero: int, policy: str, size: str, dtype: str = "fp32", granular: str = "") -> Dict:
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -111,6 +111,8 @@ def worker(model: str, zero: int, policy: str, size: str, dtype: str = "fp32") -
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     spec = model_spec(config, {}, vocab_size=256, world_size=world, groups=1)
+    if granular:  # every layer at this level, in both stages
+        config["granular_offload"] = {"levels": [granular] * spec.num_layers}
     module = build_model(spec, seed=0)
     engine, _, _, _ = ds_pseudo_real.initialize(model=module, config=config, model_parameters=parameter_groups(spec))
     x = torch.randint(0, 256, (2, spec.seq_len), generator=torch.Generator().manual_seed(rank))
@@ -230,14 +232,15 @@ def free_port() -> int:
 
 
 def run_case(model: str, world: int, zero: int, policy: str, size: str, timeout: float, dtype: str = "fp32",
-             no_trim: bool = False) -> Dict:
+             no_trim: bool = False, granular: str = "") -> Dict:
     """One configuration on ``world`` gloo ranks (torchrun); the worst rank's figures."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
            str(free_port()), __file__, "--worker", model, str(zero), policy, "--dtype", dtype, "--size", size] + (
-               ["--no-trim"] if no_trim else [])
-    case = {"model": model, "world": world, "zero": zero, "policy": policy, "dtype": dtype}
+               ["--no-trim"] if no_trim else []) + (["--granular", granular] if granular else [])
+    case = {"model": model, "world": world, "zero": zero, "policy": policy, "dtype": dtype,
+            **({"granular": granular} if granular else {})}
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired:
@@ -311,6 +314,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--no-trim", action="store_true",
                         help="keep freed host memory in the process (no malloc_trim in the delink): its effect")
     parser.add_argument("--worlds", default="1,2", help="rank counts, comma-separated")
+    parser.add_argument("--granular", default="", choices=("", "host_optimizer", "host_params"),
+                        help="train through granular offload, every layer the planner can move at this level")
     parser.add_argument("--out", default=str(RESULTS / "delink.json"))
     return parser.parse_args(argv)
 
@@ -325,7 +330,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             from ds_pseudo_real import controller
 
             controller.return_freed_host_memory = lambda: None
-        result = worker(model, int(zero), policy, args.size, args.dtype)
+        result = worker(model, int(zero), policy, args.size, args.dtype, args.granular)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     unknown = [m for m in args.models.split(",") if m not in SIZES[args.size]]
@@ -336,7 +341,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for model in args.models.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
             for zero in stages:
-                case = run_case(model, world, zero, args.policy, args.size, args.timeout, args.dtype, args.no_trim)
+                case = run_case(model, world, zero, args.policy, args.size, args.timeout, args.dtype, args.no_trim,
+                                args.granular)
                 cases.append(case)
                 print(json.dumps({k: v for k, v in case.items() if k != "ranks"}), flush=True)
     plan = m6_10t_plan_only()
