@@ -311,9 +311,6 @@ class UnwrittenMoments:
         self._moments: Dict[int, List[torch.Tensor]] = {}  # by storage address: the moments left unfilled in it
         self._written: Dict[int, List[Tuple[int, int]]] = {}  # by storage address: (start, end) elements written
 
-    def __len__(self) -> int:
-        return sum(len(moments) for moments in self._moments.values())
-
     def add(self, moment: torch.Tensor) -> None:
         if not moment.is_contiguous():
             moment.zero_()

@@ -280,17 +280,19 @@ def test_the_model_is_built_on_the_device_the_engine_trains_on(monkeypatch):
     assert len(list(built.parameters())) == len(list(tiny_gpt().parameters()))
 
 
-GRANULAR = {"levels": ["host_params", "device", "host_optimizer", "host_params"]}
+GRANULAR = {"granular_offload": {"levels": ["host_params", "device", "host_optimizer", "host_params"]}}
+DEEPSPEED_OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
 
 
-@pytest.mark.parametrize("stage, dtype, offload", [(0, "fp32", None), (0, "bf16", None), (1, "fp32", None),
-                                                   (1, "bf16", None), (2, "fp32", None), (2, "bf16", None),
-                                                   (0, "fp32", GRANULAR), (1, "fp32", GRANULAR)])
+@pytest.mark.parametrize("stage, dtype, offload", [
+    (0, "fp32", None), (0, "bf16", None), (1, "fp32", None), (1, "bf16", None), (2, "fp32", None), (2, "bf16", None),
+    pytest.param(0, "fp32", GRANULAR, id="0-fp32-granular"), pytest.param(1, "fp32", GRANULAR, id="1-fp32-granular"),
+    pytest.param(2, "fp32", DEEPSPEED_OFFLOAD, id="2-fp32-offload_optimizer")])
 def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, offload, monkeypatch):
     """The delink allocates the moments unfilled and writes them once, not zero-filled first (a second pass over 8
     bytes per real parameter): ZeRO 0 writes each parameter's state (bf16: the unfused optimizer's fp32 copy) whole,
-    ZeRO 1/2 each parameter's fragment of the flat partition, granular offload each parameter's range of its group's
-    host buffer (and on CUDA the device groups' states). What has no source is zeroed: a parameter whose source has
+    ZeRO 1/2 each parameter's fragment of the flat partition (on the host with DeepSpeed's offload_optimizer), granular
+    offload each parameter's range of its group's host buffer (and on CUDA the device groups' states). What has no source is zeroed: a parameter whose source has
     no moments (DeepSpeed gives every trainable parameter a gradient, so that here is an optimizer that keeps none
     for a parameter it never moved), and the flat partitions' padding. The unfilled memory is NaN here, so that any
     element left unwritten shows."""
@@ -322,7 +324,7 @@ def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, of
 
     cfg = config(stage, dtype, "copy", switch=2)
     if offload:
-        cfg["granular_offload"] = offload
+        cfg.update(offload)
         cfg["optimizer"]["params"].pop("torch_adam")
     engine, *_ = ds_pseudo_real.initialize(model=model, config=cfg, callbacks=[Moments()])
     for step in range(2):
@@ -333,7 +335,7 @@ def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, of
     carried = [n for n in real if not n.endswith("idle")]
     stepped = [tensor for _, tensor in ds_state._stepped_tensors(engine.engine)]
     assert sum(unfilled) == 2 * sum(t.numel() for t in stepped)  # every moment, the idle ones' and padding too
-    if stage and not offload:
+    if stage and "granular_offload" not in (offload or {}):
         assert sum(t.numel() for t in stepped) > sum(p.numel() for p in real.values())  # the flats are padded
     states = [ds_state._optimizer_state(engine.engine, tensor) for tensor in stepped]
     assert all(not state[k].isnan().any() for state in states for k in ds_state.MOMENT_KEYS)  # all written
