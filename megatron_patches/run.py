@@ -326,6 +326,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         runpy.run_path(script, run_name="__main__")
     finally:
         uninstall()
+        # Megatron-LM's scripts leave the process group to the interpreter's teardown, where gloo's worker threads can
+        # free tensors after Python has gone and abort a rank (SIGABRT) whose run passed
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

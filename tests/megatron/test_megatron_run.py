@@ -234,3 +234,19 @@ def test_stage_at_start_follows_the_checkpoint_to_load(tmp_path):
     (tmp_path / TRACKER_FILE).write_text("iter_5")
     with pytest.raises(AssertionError, match=f"{TRACKER_FILE} holds 'iter_5'; expected an iteration or 'release'"):
         checkpoint_to_load(str(tmp_path))
+
+
+@needs_megatron_lm
+def test_the_process_group_the_script_opened_is_destroyed_before_main_returns(tmp_path):
+    """Megatron-LM's scripts leave their process group to the interpreter's teardown, where gloo's worker threads can
+    free tensors after Python has gone and abort a rank (SIGABRT) whose run passed; ``main`` destroys it."""
+    script = tmp_path / "opens_a_group.py"
+    script.write_text("import torch.distributed as dist\n"
+                      "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', rank=0, world_size=1)\n"
+                      "dist.all_reduce(__import__('torch').ones(1))\n" % free_port())
+    driver = ("import sys; import torch.distributed as dist; from megatron_patches.run import main; "
+              "rc = main(sys.argv[1:]); print('process group alive after main:', dist.is_initialized()); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", driver, str(script)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), MEGATRON_LM])))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "process group alive after main: False" in proc.stdout
