@@ -315,7 +315,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="keep freed host memory in the process (no malloc_trim in the delink): its effect")
     parser.add_argument("--worlds", default="1,2", help="rank counts, comma-separated")
     parser.add_argument("--granular", default="", choices=("", "host_optimizer", "host_params"),
-                        help="train through granular offload, every layer the planner can move at this level")
+                        help="train through granular offload with every layer at this level (in both stages)")
     parser.add_argument("--out", default=str(RESULTS / "delink.json"))
     return parser.parse_args(argv)
 
