@@ -26,6 +26,10 @@ def single_process_dist_env():
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # not left to the interpreter's teardown, where gloo can abort
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session", autouse=True)
