@@ -50,6 +50,7 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
             "DeepSpeedZeroOptimizer": _FLAT_FRAGMENTS,
             "BF16_Optimizer": _FLAT_FRAGMENTS,
             "DeepSpeedZeroOptimizer_Stage3": ("fp32_partitioned_groups_flat", "sub_group_to_group_id",
+                                              "grad_position", "get_param_id", "swap_optimizer",
                                               "parameters.ds_id", "parameters.ds_tensor", "parameters.ds_numel"),
             "FP16_UnfusedOptimizer": ("fp16_groups", "fp32_groups"),
             OPTIMIZER_AS_GIVEN: (),
@@ -352,8 +353,9 @@ def seed_optimizer_state(engine, counters: Dict[str, Any]) -> UnwrittenMoments:
     The carry writes every moment it has a source for, so the moments are allocated unfilled: one pass over their
     bytes instead of two. That covers a tensor stepped with a state of its own (ZeRO 0: the parameter, or the unfused
     optimizer's fp32 copy of it), written whole, and DeepSpeed's flat partitions of ZeRO 1/2 and the bf16 optimizer,
-    written a parameter's fragment at a time, and granular offload's states (``seed_states``: each group's state where
-    its level steps it). ZeRO-3's sub-groups get zero moments: DeepSpeed writes them through its own partitioned path.
+    written a parameter's fragment at a time, ZeRO-3's sub-groups, written a parameter's partition at a time, and
+    granular offload's states (``seed_states``: each group's state where its level steps it). Sub-groups that ZeRO-3
+    swaps to NVMe get zero moments: DeepSpeed moves them in and out as it writes them.
     """
     optimizer = basic_optimizer(engine)
     unwritten = UnwrittenMoments()
@@ -368,11 +370,11 @@ def seed_optimizer_state(engine, counters: Dict[str, Any]) -> UnwrittenMoments:
         step = group_steps[index] if index < len(group_steps) else group_steps[-1] if group_steps else None
         if step is not None:
             group["step"] = copy.deepcopy(step)
-    zero3 = any(hasattr(p, "ds_id") for p in engine.module.parameters())
+    swapped = getattr(engine.optimizer, "swap_optimizer", False)  # ZeRO-3 swapping sub-groups to NVMe
     for _, tensor in _stepped_tensors(engine):
         state = _optimizer_state(engine, tensor)
         for key in MOMENT_KEYS:
-            if zero3:
+            if swapped:
                 state[key] = torch.zeros_like(tensor, dtype=torch.float32)
             else:
                 state[key] = unfilled(tensor.shape, tensor.device)
@@ -412,11 +414,11 @@ def set_full_moments_of_copies(engine, params: Iterable[torch.nn.Parameter], mom
     states = {key: [] for key in MOMENT_KEYS}
     for param in params:
         if _is_managed(param):
-            mapping = getattr(param, "_hp_mapping", None)
             for key in MOMENT_KEYS:
                 safe_set_full_optimizer_state(param, moments[key].to(param.device), key)
-                if mapping is not None and unwritten is not None:
-                    unwritten.wrote(mapping.get_optim_state_fragment(key))
+                written = _written_fragment(engine, param, key)
+                if written is not None and unwritten is not None:
+                    unwritten.wrote(written)
             continue
         state = _optimizer_state(engine, _master(engine, param))
         for key in MOMENT_KEYS:
@@ -427,6 +429,21 @@ def set_full_moments_of_copies(engine, params: Iterable[torch.nn.Parameter], mom
             if unwritten is not None:
                 for target in targets:
                     unwritten.wrote(target)
+
+
+def _written_fragment(engine, param: torch.nn.Parameter, key: str) -> Optional[torch.Tensor]:
+    """The part of the moment ``key`` this rank holds for a parameter DeepSpeed manages, which
+    ``safe_set_full_optimizer_state`` writes: its fragment of a flat partition (ZeRO 1/2, the bf16 optimizer; None
+    when the rank holds none of it) or its partition in its ZeRO-3 sub-group."""
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is not None:
+        return mapping.get_optim_state_fragment(key)
+    if not hasattr(param, "ds_id"):
+        return None
+    optimizer = engine.optimizer
+    group, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
+    flat = optimizer.fp32_partitioned_groups_flat[group]
+    return basic_optimizer(engine).state[flat][key].narrow(0, offset, numel)
 
 
 def _local_numel(param: torch.nn.Parameter) -> int:

@@ -29,7 +29,9 @@ def test_delink_reset_policy_starts_fresh_moments():
 
 
 def test_delink_two_ranks():
-    proc = run_two_ranks(Path(__file__).parent / "scripts" / "delink_matrix.py", timeout=900)
+    """Each rank holds part of every flat partition: the moments the delink leaves unfilled (NaN here) are written
+    or zeroed on both, partition boundaries and the last rank's padding included."""
+    proc = run_two_ranks(Path(__file__).parent / "scripts" / "delink_matrix.py", "--poison-unfilled", timeout=900)
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(results) == len(delink_matrix.matrix())
     for result in results:

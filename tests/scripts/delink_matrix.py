@@ -122,9 +122,13 @@ def run_case(stage, dtype, policy):
             moments_ok = (moments is None) if policy == "reset" else all(
                 torch.equal(moments[k], expected[k]) for k in expected
             )
+            # every element of every moment this rank holds is written or zeroed: its padding too
+            states = [ds_state._optimizer_state(engine.engine, t) for _, t in ds_state._stepped_tensors(engine.engine)]
+            moments_written = not any(state[k].isnan().any() for state in states for k in ds_state.MOMENT_KEYS
+                                      if k in state)
     result = {
         "stage": stage, "dtype": dtype, "policy": policy, "pre": before.seen["loss"], "post": post,
-        "moments_ok": moments_ok, "masters_differ": masters_differ, "adam_step": None if step is None else float(step), "pseudo_adam_step": before.seen["adam_step"],
+        "moments_ok": moments_ok, "moments_written": moments_written, "masters_differ": masters_differ, "adam_step": None if step is None else float(step), "pseudo_adam_step": before.seen["adam_step"],
         "global_steps": engine.global_steps, "final_stage": engine.stage, "losses": losses,
         "params_after": ds_pseudo_real.controller.parameter_numel(engine.module),
         # where the real model's parameters (this rank's ZeRO-3 partitions) are, and where the engine trains
@@ -148,6 +152,7 @@ def check(result):
     else:
         assert abs(result["pre"] - result["post"]) <= 2**-7 * abs(result["pre"]), f"{tag}: {result}"
     assert result["moments_ok"], f"{tag}: optimizer state not carried per policy"
+    assert result["moments_written"], f"{tag}: moments left unwritten (NaN where the memory was poisoned)"
     # The real model's fp32 masters are the pseudo masters, not their rounding to the working dtype.
     assert not result["masters_differ"], f"{tag}: fp32 masters not carried exactly: {result['masters_differ'][:3]}"
     # The step counter continues from the pseudo optimizer's (bias correction unchanged); reset starts over.
@@ -169,6 +174,14 @@ if __name__ == "__main__":
 
     deepspeed.init_distributed()
     import ds_pseudo_real.controller  # noqa: F401
+
+    if "--poison-unfilled" in sys.argv[1:]:  # the memory the delink leaves unfilled is NaN: an element unwritten shows
+        from ds_pseudo_real import ds_state
+
+        def poisoned(shape, device, pin_memory=False):
+            return torch.full(torch.Size([shape]) if isinstance(shape, int) else shape, float("nan"), device=device)
+
+        ds_state.unfilled = poisoned
 
     failed = 0
     for case in matrix():
