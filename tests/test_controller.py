@@ -383,3 +383,27 @@ def test_zero0_moments_of_a_shared_parameter_are_written_into_all_its_layers_tog
     first, last = (ds_state.full_moments(engine.engine, real[f"layers.{i}.fc.weight"]) for i in (0, 3))
     assert all(torch.equal(first[k], last[k]) for k in ds_state.MOMENT_KEYS)
     engine.engine.destroy()
+
+
+def test_unwritten_moments_zero_exactly_what_no_write_covered():
+    """The record of the delink's writes, on its own: moments that are views of one buffer (granular offload's host
+    flats), writes through other views of it (DeepSpeed's fragments), overlapping and out-of-order spans, a moment
+    nobody wrote, and writes outside every moment."""
+    nan = float("nan")
+    flat = torch.full((10,), nan)  # one host buffer holding two parameters' moments: elements 0-5 and 6-9
+    first, second = flat[0:6], flat[6:10]
+    alone = torch.full((2, 3), nan)  # a state of its own, never written
+    whole = torch.full((4,), nan)  # a state of its own, written whole
+    elsewhere = torch.full((3,), nan)  # memory no moment of the record lives in
+    unwritten = ds_state.UnwrittenMoments()
+    for moment in (first, second, alone, whole):
+        unwritten.add(moment)
+    for part, value in ((flat[3:5], 1.0), (flat[1:4], 2.0), (flat[7:9], 3.0), (whole, 4.0), (elsewhere, 5.0)):
+        part.fill_(value)
+        unwritten.wrote(part)
+    unwritten.zero_rest()
+    assert flat.tolist() == [0, 2, 2, 2, 1, 0, 0, 3, 3, 0]
+    assert torch.equal(alone, torch.zeros(2, 3)) and torch.equal(whole, torch.full((4,), 4.0))
+    assert torch.equal(elsewhere, torch.full((3,), 5.0))
+    unwritten.zero_rest()  # the record is spent: nothing is zeroed twice
+    assert torch.equal(whole, torch.full((4,), 4.0))

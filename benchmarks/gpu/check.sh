@@ -11,9 +11,9 @@
 #      step time and peak device memory (the granular one against the plan) of no offload, ZeRO-2 + full
 #      offload_optimizer, ZeRO-3 + ratio and the granular plan for a 1.2B-parameter GPT in bf16 under a 12 GB
 #      budget (all resident it needs 18 GiB), each arm's step time over granular's printed side by side;
-#   3. the delink on the device (tests/scripts/delink_matrix.py --check): ZeRO 0-3, fp32 and bf16, the real model
-#      built and the pseudo state gathered where the engine trains, the device's peak bytes during the delink and
-#      after it; on CUDA, the delink of a 1.0B GPT against one copy of its parameters (benchmarks/overhead.py).
+#   3. the delink on the device (tests/scripts/delink_matrix.py --check --poison-unfilled): ZeRO 0-3, fp32 and
+#      bf16, the real model built and the pseudo state gathered where the engine trains, every element of the
+#      moments written (the memory left unfilled is NaN), the device's peak bytes during the delink and after it; on CUDA, the delink of a 1.0B GPT against one copy of its parameters (benchmarks/overhead.py).
 #   4. (only when CHECK_PARTS names it) convergence: the memory-bound regime of benchmarks/convergence.py trained on
 #      the device with real offload, 8 seeds (SEEDS), scratch and two switches, where a pseudo step (all on the
 #      device) is far cheaper than an offloaded real one: the GPU wall clock to scratch's final loss per seed
@@ -89,7 +89,7 @@ fi
 if want delink; then
   # the delink building the real model on the device it trains on (the host never holding it): every ZeRO stage and
   # dtype on one rank, the loss across it, the fp32 masters and moments carried, the parameters' device
-  step 150 delink_on_device "$PY" -m torch.distributed.run --nproc_per_node 1 tests/scripts/delink_matrix.py --check
+  step 150 delink_on_device "$PY" -m torch.distributed.run --nproc_per_node 1 tests/scripts/delink_matrix.py --check --poison-unfilled
   if [ "$cuda" = 1 ]; then
     # issue 14's time: the delink of a 1.0B-parameter GPT (fp32, ZeRO 0, moments scaled) on the device, against one
     # copy of its parameters there -> $OUT/overhead_delink.json (delink_over_copy, with its phases)
