@@ -398,12 +398,6 @@ def relink_optimizer_state(engine) -> None:
         link()
 
 
-def set_full_moments(engine, param: torch.nn.Parameter, moments: Dict[str, torch.Tensor],
-                     unwritten: Optional[UnwrittenMoments] = None) -> None:
-    """Write full fp32 ``moments`` of ``param``: :func:`set_full_moments_of_copies` for one parameter."""
-    set_full_moments_of_copies(engine, [param], moments, unwritten)
-
-
 def set_full_moments_of_copies(engine, params: Iterable[torch.nn.Parameter], moments: Dict[str, torch.Tensor],
                                unwritten: Optional[UnwrittenMoments] = None) -> None:
     """Write the same full fp32 ``moments`` into every parameter of ``params`` (the copies of one shared parameter,
