@@ -8,6 +8,7 @@ verifies (or ``--resume-from``); on SIGUSR1/SIGTERM it saves a checkpoint at the
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import os
 import signal
@@ -298,5 +299,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             dist.destroy_process_group()
 
 
+def exit_without_teardown(status: int) -> None:
+    """Leave with ``status`` once the exit handlers (DeepSpeed monitors' flushes, wandb) have run, skipping the
+    interpreter's teardown: a C++ thread still joinable there (gloo's or DeepSpeed's) aborts a rank whose run passed
+    (``terminate called without an active exception``, SIGABRT), and the batch system marks the job failed."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

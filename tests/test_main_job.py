@@ -123,3 +123,23 @@ def test_main_job_destroys_its_process_group_before_it_returns(tmp_path):
         assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "process group alive after main: False" in proc.stdout, proc.stdout[-3000:]
     assert "pseudo_to_rael" in proc.stderr
+
+
+def test_main_job_runs_the_exit_handlers_and_leaves_without_the_interpreters_teardown(tmp_path):
+    """As a script, the job leaves with os._exit once the exit handlers have run: the teardown it skips is where a C++
+    thread still joinable aborts a rank whose run passed; the handlers (monitors' flushes) still run, once."""
+    driver = ("import atexit, runpy, sys\n"
+              "atexit.register(print, 'exit handler ran', flush=True)\n"
+              "class Collected:\n"
+              "    def __del__(self):\n"
+              "        print('teardown ran', flush=True)\n"
+              "kept = Collected()  # collected when the interpreter tears its modules down\n"
+              "sys.argv = sys.argv[1:]\n"
+              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", driver, str(REPO / "launch" / "train.py"), "--deepspeed_config",
+                           str(tiny_config(tmp_path, steps=2, switch=1)), "--output-dir", str(tmp_path / "run"),
+                           *TINY], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 0 finished at step 2 stage real" in proc.stdout
+    assert proc.stdout.count("exit handler ran") == 1 and "teardown ran" not in proc.stdout
