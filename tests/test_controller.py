@@ -1,6 +1,5 @@
 """The controller as a user meets it: drop-in for deepspeed.initialize, callables rebuilt at the delink,
 plateau switching, LR re-warmup, no loss spike after the switch with copied or scaled moments."""
-import math
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from ds_pseudo_real.data import ByteCorpus
 from ds_pseudo_real.models import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from delink_matrix import config, fixed_batch, tiny_gpt  # noqa: E402
+from delink_matrix import config, fixed_batch, nan_filled, tiny_gpt  # noqa: E402
 
 
 class HFStyle(nn.Module):
@@ -300,7 +299,7 @@ def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, of
     unfilled = []
 
     def poisoned(shape, device, pin_memory=False):
-        moment = torch.full(torch.Size([shape]) if isinstance(shape, int) else shape, float("nan"), device=device)
+        moment = nan_filled(shape, device)
         unfilled.append(moment.numel())
         return moment
 

@@ -135,12 +135,12 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         ``state_dict`` packs by ``param_groups`` alone."""
         return self.own_state.setdefault(p, {}) if p in self.own_gradients.params else self.state[p]
 
-    def seed_states(self, step: Any, unwritten: Optional[ds_state.UnwrittenMoments] = None) -> None:
+    def seed_states(self, step: Any, unwritten: ds_state.UnwrittenMoments) -> None:
         """Moments and the step count ``step`` (an int or a tensor) for every param, placed where this plan steps
         them, as a loaded checkpoint's (:meth:`_place_state`), and the CPU kernel's bias correction brought to
-        ``step``: the state a delink writes the carried moments into. The moments are zeros, or with ``unwritten``
-        left unfilled and recorded there, for the delink to write once and zero what it did not write. Nothing is
-        allocated on the device for a group the plan steps on the host."""
+        ``step``: the state a delink writes the carried moments into. The moments are left unfilled and recorded in
+        ``unwritten``, for the delink to write once and zero what it did not write. Nothing is allocated on the
+        device for a group the plan steps on the host."""
         step = int(step.item()) if torch.is_tensor(step) else int(step)
         for group in self.param_groups + self.own_param_groups:
             for p in group["params"]:
@@ -148,16 +148,9 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                 state.clear()
                 state["step"] = step
                 for key in ("exp_avg", "exp_avg_sq"):
-                    if self._steps_on_device(p, group["level"]):
-                        moment = ds_state.unfilled(p.shape, p.device) if unwritten is not None else \
-                            torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                    else:
-                        moment = self.host.buffer(p, key, filled=unwritten is None)
-                        if unwritten is None:
-                            moment.zero_()
-                    if unwritten is not None:
-                        unwritten.add(moment)
-                    state[key] = moment
+                    state[key] = ds_state.unfilled(p.shape, p.device) if self._steps_on_device(p, group["level"]) \
+                        else self.host.buffer(p, key, filled=False)
+                    unwritten.add(state[key])
                 self._place_state(state, p, group["level"])
         self.host.replay_kernel_steps(step, self.param_groups[0])
 

@@ -87,6 +87,12 @@ class BeforeDelink(TrainingCallback):
             device_peak(engine, reset=True)  # from here to the end of engine.step(): the delink's device peak
 
 
+def nan_filled(shape, device, pin_memory=False):
+    """``ds_state.unfilled`` poisoned: the memory the delink leaves unfilled is NaN, so an element it never writes
+    shows."""
+    return torch.full(torch.Size([shape]) if isinstance(shape, int) else shape, float("nan"), device=device)
+
+
 def masters_carried(engine, pseudo_masters):
     """Names of the real model's parameters whose fp32 master is not, bit for bit, its source's pseudo master."""
     old, new = (engine.num_layers, 1), (engine.num_layers, engine.num_layers)
@@ -176,12 +182,7 @@ if __name__ == "__main__":
     import ds_pseudo_real.controller  # noqa: F401
 
     if "--poison-unfilled" in sys.argv[1:]:  # the memory the delink leaves unfilled is NaN: an element unwritten shows
-        from ds_pseudo_real import ds_state
-
-        def poisoned(shape, device, pin_memory=False):
-            return torch.full(torch.Size([shape]) if isinstance(shape, int) else shape, float("nan"), device=device)
-
-        ds_state.unfilled = poisoned
+        ds_state.unfilled = nan_filled
 
     failed = 0
     for case in matrix():
