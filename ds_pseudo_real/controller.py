@@ -500,8 +500,7 @@ class PseudoToRealController:
         initialized = time.perf_counter()
         if weights is not None and dtype != torch.float32:
             # DeepSpeed made the fp32 masters from the working-dtype parameters, rounded: give them the full values
-            for name, param in self.engine.module.named_parameters():
-                ds_state.set_full_fp32_param(self.engine, param, weights[name])
+            ds_state.set_full_fp32_params(self.engine, weights)
         return {"model": round(built - start, 3), "engine": round(initialized - built, 3),
                 "masters": round(time.perf_counter() - initialized, 3)}
 
@@ -629,11 +628,17 @@ class PseudoToRealController:
                 source, members = self._source_name(name, old, new)
                 if source in moments:
                     copies.setdefault(source, (members, []))[1].append(param)
+            swapped = []  # the copies in sub-groups ZeRO-3 swaps to NVMe, written a sub-group at a time after
             for source, (members, params) in copies.items():  # one shared parameter's moments at a time
                 start_moments = member_moments(policy, moments.pop(source), members)
-                ds_state.set_full_moments_of_copies(engine, params, start_moments, unwritten)
+                for index, run in ds_state.by_swapped_sub_group(engine, ((None, p) for p in params)):
+                    if index is None:
+                        ds_state.set_full_moments_of_copies(engine, [p for _, p in run], start_moments, unwritten)
+                    else:
+                        swapped.append(([p for _, p in run], start_moments))
                 carried += len(params)
             unwritten.zero_rest()  # padding, and parameters whose source had no moments
+            ds_state.write_swapped_moments(engine, counters, swapped)
         lap("carry")  # steps, LR schedule and the optimizer state
         self.state.switch_step = self.engine.global_steps
         report = {

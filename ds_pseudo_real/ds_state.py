@@ -51,6 +51,10 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
             "BF16_Optimizer": _FLAT_FRAGMENTS,
             "DeepSpeedZeroOptimizer_Stage3": ("fp32_partitioned_groups_flat", "sub_group_to_group_id",
                                               "grad_position", "get_param_id", "swap_optimizer",
+                                              "_swappable_optimizer_subgroup",  # NVMe: one sub-group at a time
+                                              "_optimizer_states_and_gradient_swap_in",
+                                              "_optimizer_states_and_gradient_swap_out", "_release_swap_buffers",
+                                              "_get_param_partition_group",
                                               "parameters.ds_id", "parameters.ds_tensor", "parameters.ds_numel"),
             "FP16_UnfusedOptimizer": ("fp16_groups", "fp32_groups"),
             OPTIMIZER_AS_GIVEN: (),
@@ -242,6 +246,9 @@ def set_full_fp32_param(engine, param: torch.nn.Parameter, value: torch.Tensor) 
     under ZeRO 1-3, granular offload's host master for its own groups); the working parameter is left as it is."""
     own_master = getattr(basic_optimizer(engine), "fp32_master", None)
     master = own_master(param) if own_master is not None else None
+    if master is None and hasattr(param, "ds_id"):
+        _set_zero3_partition(engine, param, value, None)
+        return
     if master is None and _is_managed(param):
         safe_set_full_fp32_param(param, value)
         return
@@ -296,6 +303,58 @@ def step_counters(engine) -> Dict[str, Any]:
 def unfilled(shape, device, pin_memory: bool = False) -> torch.Tensor:
     """New contiguous fp32 memory, left as the allocator gives it: for moments the delink writes next."""
     return torch.empty(shape, dtype=torch.float32, device=device, pin_memory=pin_memory)
+
+
+def swapped_sub_groups(engine) -> List[int]:
+    """The sub-groups a ZeRO-3 optimizer swaps to NVMe (``offload_optimizer: nvme``): their fp32 master and moments
+    live in files and are in memory only while DeepSpeed steps them (smaller ones, under 1 MiB, stay in memory)."""
+    optimizer = engine.optimizer
+    if not getattr(optimizer, "swap_optimizer", False):
+        return []
+    return [i for i in range(len(optimizer.fp32_partitioned_groups_flat)) if optimizer._swappable_optimizer_subgroup(i)]
+
+
+def by_swapped_sub_group(engine, items: Iterable[Tuple[Any, torch.nn.Parameter]]
+                         ) -> List[Tuple[Optional[int], List[Tuple[Any, torch.nn.Parameter]]]]:
+    """``items`` (anything, parameter) in runs by the swapped sub-group holding each parameter's fp32 state: first
+    the parameters held in memory (None), then each swapped sub-group's, in sub-group order. Without swapping, one run
+    of all in their order. The same on every rank (ZeRO-3 forms sub-groups alike on all), so collectives match."""
+    items = list(items)
+    swapped = set(swapped_sub_groups(engine))
+    if not swapped:
+        return [(None, items)]
+    optimizer = engine.optimizer
+    runs: Dict[Optional[int], List[Tuple[Any, torch.nn.Parameter]]] = {None: []}
+    for item in items:
+        param = item[1]
+        index = None
+        if param.requires_grad and hasattr(param, "ds_id"):
+            index = optimizer.grad_position[optimizer.get_param_id(param)][0]
+        runs.setdefault(index if index in swapped else None, []).append(item)
+    return [(None, runs.pop(None)), *sorted(runs.items())]
+
+
+@contextlib.contextmanager
+def resident_sub_group(engine, index: Optional[int], write: bool) -> Iterator[None]:
+    """Keep swapped sub-group ``index`` in memory for the body (None: nothing to do), then write it back to its
+    files when ``write``, else drop it. DeepSpeed's ``safe_get/set_full_*`` swap a sub-group in (and, to set, out)
+    for every parameter and moment they touch: a whole sub-group's files read (and written) per parameter. Marked
+    not swappable for the body, the sub-group is read in place instead, each file read once and written once."""
+    if index is None:
+        yield
+        return
+    optimizer = engine.optimizer
+    optimizer._optimizer_states_and_gradient_swap_in(index)
+    swappable = optimizer._swappable_optimizer_subgroup
+    optimizer._swappable_optimizer_subgroup = lambda i: i != index and swappable(i)
+    try:
+        yield
+    finally:
+        del optimizer._swappable_optimizer_subgroup  # the class's method again
+        if write:
+            optimizer._optimizer_states_and_gradient_swap_out(index)
+        else:
+            optimizer._release_swap_buffers(index)
 
 
 def _storage_address(tensor: torch.Tensor) -> int:
@@ -355,7 +414,7 @@ def seed_optimizer_state(engine, counters: Dict[str, Any]) -> UnwrittenMoments:
     optimizer's fp32 copy of it), written whole, and DeepSpeed's flat partitions of ZeRO 1/2 and the bf16 optimizer,
     written a parameter's fragment at a time, ZeRO-3's sub-groups, written a parameter's partition at a time, and
     granular offload's states (``seed_states``: each group's state where its level steps it). Sub-groups that ZeRO-3
-    swaps to NVMe get zero moments: DeepSpeed moves them in and out as it writes them.
+    swaps to NVMe are :func:`write_swapped_moments`'s: their state can be made only while they are in memory.
     """
     optimizer = basic_optimizer(engine)
     unwritten = UnwrittenMoments()
@@ -370,19 +429,48 @@ def seed_optimizer_state(engine, counters: Dict[str, Any]) -> UnwrittenMoments:
         step = group_steps[index] if index < len(group_steps) else group_steps[-1] if group_steps else None
         if step is not None:
             group["step"] = copy.deepcopy(step)
-    swapped = getattr(engine.optimizer, "swap_optimizer", False)  # ZeRO-3 swapping sub-groups to NVMe
+    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])
+    swapped = {id(flats[i]) for i in swapped_sub_groups(engine)}  # seeded by write_swapped_moments, in memory
     for _, tensor in _stepped_tensors(engine):
-        state = _optimizer_state(engine, tensor)
-        for key in MOMENT_KEYS:
-            if swapped:
-                state[key] = torch.zeros_like(tensor, dtype=torch.float32)
-            else:
-                state[key] = unfilled(tensor.shape, tensor.device)
-                unwritten.add(state[key])
-        if counters["state_step"] is not None:
-            state["step"] = copy.deepcopy(counters["state_step"])
+        if id(tensor) not in swapped:
+            _seed_state(engine, tensor, counters, unwritten)
     relink_optimizer_state(engine)
     return unwritten
+
+
+def _seed_state(engine, tensor: torch.Tensor, counters: Dict[str, Any], unwritten: UnwrittenMoments) -> None:
+    state = _optimizer_state(engine, tensor)
+    for key in MOMENT_KEYS:
+        state[key] = unfilled(tensor.shape, tensor.device)
+        unwritten.add(state[key])
+    if counters["state_step"] is not None:
+        state["step"] = copy.deepcopy(counters["state_step"])
+
+
+def write_swapped_moments(engine, counters: Dict[str, Any],
+                          copies: Iterable[Tuple[Iterable[torch.nn.Parameter], Dict[str, torch.Tensor]]]) -> None:
+    """The carry into the sub-groups ZeRO-3 swaps to NVMe, which :func:`seed_optimizer_state` leaves alone: for each
+    (parameters, the moments to write into each of them) of ``copies`` that lie in such a sub-group (the others are
+    :func:`set_full_moments_of_copies`'s), one sub-group at a time, read in, given unfilled moments and the step
+    counter, written, zeroed where nothing was written (padding, parameters without a source), written back to its
+    files. Every swapped sub-group is seeded, those without a carried parameter too, so that all continue at the
+    same step."""
+    swapped = swapped_sub_groups(engine)
+    if not swapped:
+        return
+    pending: Dict[int, List[Tuple[torch.nn.Parameter, Dict[str, torch.Tensor]]]] = {}
+    for params, moments in copies:
+        for index, run in by_swapped_sub_group(engine, ((moments, p) for p in params)):
+            if index is not None:
+                pending.setdefault(index, []).extend((p, m) for m, p in run)
+    flats = engine.optimizer.fp32_partitioned_groups_flat
+    for index in swapped:
+        with resident_sub_group(engine, index, write=True):
+            unwritten = UnwrittenMoments()
+            _seed_state(engine, flats[index], counters, unwritten)
+            for param, moments in pending.pop(index, []):
+                set_full_moments_of_copies(engine, [param], moments, unwritten)
+            unwritten.zero_rest()
 
 
 def relink_optimizer_state(engine) -> None:
@@ -407,12 +495,17 @@ def set_full_moments_of_copies(engine, params: Iterable[torch.nn.Parameter], mom
     fragment this rank holds."""
     states = {key: [] for key in MOMENT_KEYS}
     for param in params:
+        if hasattr(param, "ds_id"):
+            for key in MOMENT_KEYS:
+                written = _set_zero3_partition(engine, param, moments[key], key)
+                if unwritten is not None:
+                    unwritten.wrote(written)
+            continue
         if _is_managed(param):
             for key in MOMENT_KEYS:
                 safe_set_full_optimizer_state(param, moments[key].to(param.device), key)
-                written = _written_fragment(engine, param, key)
-                if written is not None and unwritten is not None:
-                    unwritten.wrote(written)
+                if param._hp_mapping is not None and unwritten is not None:  # None: this rank holds none of it
+                    unwritten.wrote(param._hp_mapping.get_optim_state_fragment(key))
             continue
         state = _optimizer_state(engine, _master(engine, param))
         for key in MOMENT_KEYS:
@@ -425,19 +518,27 @@ def set_full_moments_of_copies(engine, params: Iterable[torch.nn.Parameter], mom
                     unwritten.wrote(target)
 
 
-def _written_fragment(engine, param: torch.nn.Parameter, key: str) -> Optional[torch.Tensor]:
-    """The part of the moment ``key`` this rank holds for a parameter DeepSpeed manages, which
-    ``safe_set_full_optimizer_state`` writes: its fragment of a flat partition (ZeRO 1/2, the bf16 optimizer; None
-    when the rank holds none of it) or its partition in its ZeRO-3 sub-group."""
-    mapping = getattr(param, "_hp_mapping", None)
-    if mapping is not None:
-        return mapping.get_optim_state_fragment(key)
-    if not hasattr(param, "ds_id"):
-        return None
+def _set_zero3_partition(engine, param: torch.nn.Parameter, value: torch.Tensor, key: Optional[str]
+                         ) -> torch.Tensor:
+    """Write this rank's partition of the full ``value`` of a ZeRO-3 ``param`` into its fp32 master (``key`` None) or
+    its moment ``key``, in its sub-group, reading only that part of ``value``; returns the part written. A
+    parameter no rank count divides has padded partitions: the last ranks get the elements there are, and the rest
+    of the partition is left as it is (padding: a moment's is zeroed by :meth:`UnwrittenMoments.zero_rest`).
+    DeepSpeed's ``safe_set_full_*`` (0.19.8) fail there, reading past the end of ``value``. A sub-group swapped to
+    NVMe and not made resident by the caller is read in and written back around the write."""
     optimizer = engine.optimizer
-    group, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
-    flat = optimizer.fp32_partitioned_groups_flat[group]
-    return basic_optimizer(engine).state[flat][key].narrow(0, offset, numel)
+    index, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
+    if optimizer._swappable_optimizer_subgroup(index):
+        with resident_sub_group(engine, index, write=True):
+            return _set_zero3_partition(engine, param, value, key)
+    flat = optimizer.fp32_partitioned_groups_flat[index]
+    target = (flat if key is None else basic_optimizer(engine).state[flat][key]).narrow(0, offset, numel)
+    start = numel * torch.distributed.get_rank(group=optimizer._get_param_partition_group(param))
+    count = max(0, min(param.ds_numel - start, numel))
+    written = target.narrow(0, 0, count)
+    with torch.no_grad():
+        written.copy_(value.detach().reshape(-1).narrow(0, start, count))
+    return written
 
 
 def _local_numel(param: torch.nn.Parameter) -> int:
@@ -485,17 +586,28 @@ def _unique(params: Iterable[torch.nn.Parameter]):
 def gather_full_state(engine, with_moments: bool, device: Optional[torch.device] = None
                       ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
     """Full fp32 weights (and moments) of every unique parameter, by ``named_parameters`` name, on ``device`` (the
-    CPU when None)."""
+    CPU when None); a swapped ZeRO-3 sub-group at a time, each read once."""
     weights, moments = {}, {}
     if with_moments:
         relink_optimizer_state(engine)
-    for name, param in engine.module.named_parameters():
-        weights[name] = full_fp32_param(engine, param, device)
-        if with_moments:
-            value = full_moments(engine, param, name, device)
-            if value is not None:
-                moments[name] = value
+    for index, run in by_swapped_sub_group(engine, engine.module.named_parameters()):
+        with resident_sub_group(engine, index, write=False):
+            for name, param in run:
+                weights[name] = full_fp32_param(engine, param, device)
+                if with_moments:
+                    value = full_moments(engine, param, name, device)
+                    if value is not None:
+                        moments[name] = value
     return weights, moments
+
+
+def set_full_fp32_params(engine, values: Dict[str, torch.Tensor]) -> None:
+    """:func:`set_full_fp32_param` for every parameter, from ``values`` by ``named_parameters`` name, a swapped
+    ZeRO-3 sub-group at a time."""
+    for index, run in by_swapped_sub_group(engine, engine.module.named_parameters()):
+        with resident_sub_group(engine, index, write=True):
+            for name, param in run:
+                set_full_fp32_param(engine, param, values[name])
 
 
 def include_in_gradient_norm(engine, extra_norm: Callable[[], torch.Tensor]) -> Callable[[], Tuple[Any, float]]:
