@@ -1,6 +1,7 @@
 """DeepSpeed's ZeRO-3 with the optimizer state on NVMe (``offload_optimizer: nvme``) against the same run with it in
-host memory (``cpu``) and against torch's AdamW, side by side in one process: the per-step losses and the Adam
-moments of a parameter that gets no gradient (in no forward), which must stay zero.
+host memory (``cpu``) and against torch's AdamW, side by side in one process: the per-step losses, the Adam
+moments of a parameter that gets no gradient (in no forward), which must stay zero, and a resume from a checkpoint
+saved half way (a new engine with other initial weights), whose losses must be the uninterrupted run's.
 
 No plugin code runs here: this measures DeepSpeed itself, for the delink under NVMe offload (tests/test_nvme_offload.py)
 to be read against. Two shapes: ``swapped`` gradients (each weight's gradient 1 MiB or more, which DeepSpeed writes
@@ -68,30 +69,53 @@ def reference(width: int, layers: int, steps: int, lr: float):
 
 
 def deepspeed_run(device: str, width: int, layers: int, sub_group: int, steps: int, lr: float, swap_dir: str):
+    """Losses, the no-gradient parameter's largest |exp_avg|, which sub-groups are swapped, and the losses of the
+    steps after a checkpoint saved half way, run again by a new engine (other initial weights) resumed from it."""
     import deepspeed
     from deepspeed.utils import safe_get_full_optimizer_state
 
-    net = model(width, layers)
-    offload = {"device": device, **({"nvme_path": swap_dir} if device == "nvme" else {})}
+    offload = {"device": device, **({"nvme_path": f"{swap_dir}/swap"} if device == "nvme" else {})}
     config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
               "zero_optimization": {"stage": 3, "offload_optimizer": offload, "sub_group_size": sub_group}}
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    data, save_at = batches(width, steps), steps // 2
+
+    def engine_of(seed: int):
+        import torch
+
+        net = model(width, layers)
+        if seed:
+            torch.manual_seed(seed)
+            for param in net.parameters():
+                param.data.normal_(std=0.1)
+        return deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)[0]
+
+    def train(engine, xs):
+        losses = []
+        for x in xs:
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    engine = engine_of(0)
     swapped = [engine.optimizer._swappable_optimizer_subgroup(i) for i in range(len(engine.optimizer.fp16_groups))]
-    losses = []
-    for x in batches(width, steps):
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train(engine, data[:save_at])
+    engine.save_checkpoint(f"{swap_dir}/checkpoint", tag="half")
+    losses += train(engine, data[save_at:])
     idle = safe_get_full_optimizer_state(engine.module.idle, "exp_avg").abs().max().item()
     engine.destroy()
-    return losses, idle, swapped
+    resumed = engine_of(1)
+    resumed.load_checkpoint(f"{swap_dir}/checkpoint", tag="half")
+    resumed_losses = train(resumed, data[save_at:])
+    resumed.destroy()
+    return losses, idle, swapped, resumed_losses
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--out", type=Path, default=RESULTS / "nvme_offload.json")
     args = parser.parse_args(argv)
@@ -108,9 +132,13 @@ def main(argv=None) -> int:
                "torch_adamw": {"losses": torch_losses, "idle_exp_avg": torch_idle}}
         with tempfile.TemporaryDirectory() as swap_dir:
             for device in ("cpu", "nvme"):
-                losses, idle, swapped = deepspeed_run(device, width, layers, sub_group, args.steps, args.lr, swap_dir)
+                losses, idle, swapped, resumed = deepspeed_run(device, width, layers, sub_group, args.steps, args.lr,
+                                                               f"{swap_dir}/{device}")
+                continued = losses[args.steps // 2:]
                 row[device] = {"losses": losses, "idle_exp_avg": idle, "sub_groups_swapped": swapped,
-                               "max_abs_loss_diff_to_torch": max(abs(a - b) for a, b in zip(losses, torch_losses))}
+                               "max_abs_loss_diff_to_torch": max(abs(a - b) for a, b in zip(losses, torch_losses)),
+                               "resumed_losses": resumed,
+                               "max_abs_resumed_minus_continued": max(abs(a - b) for a, b in zip(resumed, continued))}
         row["nvme_equals_cpu"] = row["nvme"]["losses"] == row["cpu"]["losses"]
         record["shapes"][shape] = row
         print(f"{shape} gradients ({layers} x Linear({width}, {width})), {args.steps} steps:")
@@ -121,6 +149,10 @@ def main(argv=None) -> int:
                   + (f"  max |loss - torch| {diff:.2e}" if diff is not None else "")
                   + f"  idle |exp_avg| {r['idle_exp_avg']:.2e}"
                   + (f"  sub-groups swapped {r['sub_groups_swapped']}" if "sub_groups_swapped" in r else ""))
+            if "resumed_losses" in r:
+                print(f"  {'':12s} resumed at step {args.steps // 2}: losses "
+                      f"{' '.join(f'{v:.6f}' for v in r['resumed_losses'])}  max |resumed - continued| "
+                      f"{r['max_abs_resumed_minus_continued']:.2e}")
         print(f"  nvme losses == cpu losses: {row['nvme_equals_cpu']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))

@@ -736,10 +736,11 @@ class PseudoToRealController:
             _barrier()  # the closing barrier of DeepSpeed's save_checkpoint, which this rank skipped
         self._raise_if_save_failed(save_dir, tag, failure)
         every = ckpt.gather(written)
+        fingerprints = ckpt.gather(ds_state.state_fingerprint(self.engine))  # compared after a load, per rank
         if is_rank0():
             try:
                 merged = {name: entry for part in every for name, entry in part.items()}
-                ckpt.publish(save_dir, tag, self._sidecar(), merged)
+                ckpt.publish(save_dir, tag, {**self._sidecar(), "state": fingerprints}, merged)
             except OSError as error:
                 failure = error
         self._raise_if_save_failed(save_dir, tag, failure)
@@ -809,10 +810,41 @@ class PseudoToRealController:
             ) from error
         if path is None:
             raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {load_dir}/{tag}")
+        optimizer_loaded = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
+        self._check_state_restored(os.path.join(load_dir, tag), side, optimizer_loaded)
         client = dict(client or {})
         self._restore_plugin_state(client.pop(CLIENT_KEY))
         log_rank0(f"resumed from {os.path.join(load_dir, tag)} at step {self.engine.global_steps} ({self.state.stage} stage)")
         return path, client
+
+    def _check_state_restored(self, folder: str, side: Dict[str, Any], optimizer_loaded: bool) -> None:
+        """Collective: raise :class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank when DeepSpeed's load
+        left any rank with other weights, or (when it loaded the optimizer state) other fp32 masters or moments, than
+        that rank saved (its :func:`~ds_pseudo_real.ds_state.state_fingerprint` in the sidecar), instead of training
+        on from them. Checkpoints saved without fingerprints are not checked."""
+        saved = side.get("state")
+        rank, world = ckpt.rank_and_world()
+        if saved is not None and len(saved) != world:  # ZeRO 0 on another world size: every rank holds all
+            saved = [saved[0]] * world if self.engine.zero_optimization_stage() == 0 else None
+        expected = saved[rank] if saved is not None else None
+        found = ds_state.state_fingerprint(self.engine) if expected is not None else None
+        differ = []
+        for part in ("weights", "optimizer") if optimizer_loaded else ("weights",):
+            if found is not None and expected.get(part) is not None and any(
+                    abs(a - b) > 1e-9 * max(1.0, abs(b)) for a, b in zip(found[part], expected[part])):
+                differ.append(part)
+        reports = ckpt.gather(differ)
+        ranks = [r for r, parts in enumerate(reports) if parts]
+        if ranks:
+            what = sorted({p for parts in reports for p in parts})
+            swapped = " (ZeRO-3 with offload_optimizer nvme: DeepSpeed 0.19.8 restored neither there on the CPU, "\
+                      "benchmarks/nvme_offload.py)" if ds_state.swapped_sub_groups(self.engine) else ""
+            here = (f"; on rank {rank}: " + ", ".join(f"{p} sum and sum of squares {found[p]}, saved {expected[p]}"
+                                                      for p in differ)) if differ else ""
+            raise ckpt.CheckpointError(
+                f"DeepSpeed loaded checkpoint {folder}, but the {' and '.join(w if w == 'weights' else 'optimizer state' for w in what)}"
+                f" of rank {', '.join(map(str, ranks))} are not the ones saved{swapped}{here}; training on would "
+                f"silently start from another state")
 
     def _check_compatible(self, load_dir: str, tag: str, side: Dict[str, Any]) -> None:
         """Refuse, before DeepSpeed reads anything, a checkpoint this run cannot load, saying what to do instead."""

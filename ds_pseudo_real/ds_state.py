@@ -574,6 +574,41 @@ def memory_report(engine) -> Dict[str, int]:
     }
 
 
+def _sums(tensor: torch.Tensor) -> torch.Tensor:
+    values = tensor.detach().reshape(-1).to(torch.float64)
+    return torch.stack([values.sum(), values.square().sum()]).cpu()
+
+
+def state_fingerprint(engine) -> Optional[Dict[str, List[float]]]:
+    """What this rank holds of the training state, as sums and sums of squares in float64: ``weights``, of the
+    working parameters (its ZeRO-3 partitions' real elements, else every parameter whole), and ``optimizer``, of
+    every tensor the optimizer steps (fp32 masters, flat partitions with their padding) and of each of its Adam
+    moments. Saved with a checkpoint and compared after a load, it tells whether the load restored them. None when
+    some working parameters are not in memory (ZeRO-3 ``offload_param: nvme``): nothing to compare. A sub-group
+    ZeRO-3 swaps to NVMe is read in once."""
+    weights = torch.zeros(2, dtype=torch.float64)
+    for param in _unique(engine.module.parameters()):
+        local = getattr(param, "ds_tensor", None)
+        if local is None:
+            weights += _sums(param)
+            continue
+        numel = local.numel()
+        if numel == 0 and param.ds_numel > 0:
+            return None
+        start = numel * torch.distributed.get_rank(group=getattr(param, "ds_process_group", None))
+        weights += _sums(local.reshape(-1).narrow(0, 0, max(0, min(param.ds_numel - start, numel))))
+    optimizer = torch.zeros(2 + 2 * len(MOMENT_KEYS), dtype=torch.float64)
+    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])
+    swapped = {id(flats[i]): i for i in swapped_sub_groups(engine)}
+    for _, tensor in _stepped_tensors(engine):
+        with resident_sub_group(engine, swapped.get(id(tensor)), write=False):
+            state = _optimizer_state(engine, tensor)
+            parts = [_sums(tensor)] + [_sums(state[k]) if k in state else torch.zeros(2, dtype=torch.float64)
+                                       for k in MOMENT_KEYS]
+            optimizer += torch.cat(parts)
+    return {"weights": weights.tolist(), "optimizer": optimizer.tolist()}
+
+
 def _unique(params: Iterable[torch.nn.Parameter]):
     seen, out = set(), []
     for p in params:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ds_pseudo_real import checkpoint as ckpt
+from ds_pseudo_real import ds_state
 from ds_pseudo_real.config import ConfigError, split_checkpoint_options
 from ds_pseudo_real.report import MetricsLog, read_records
 from conftest import run_two_ranks
@@ -347,3 +348,28 @@ def test_a_write_failing_on_one_of_two_ranks_raises_on_both_and_the_run_goes_on(
     assert f"the last good checkpoint is {tmp_path / 'ckpt' / 'global_step2'} (step 2)" in message
     assert not result["partial_left"] and result["latest"] == "global_step3"
     assert result["resumed_step"] == 3 and result["same_tail"]
+
+
+def test_a_load_that_leaves_other_weights_is_refused_on_every_rank_before_training_on(saved, run_dir, monkeypatch):
+    """The sidecar holds each rank's sums and sums of squares of the working weights, fp32 masters and moments it
+    saved; a load after which they differ (DeepSpeed restoring nothing, or something else) stops with the folder
+    named, instead of a run that goes on from another state. A load that restores them goes on as before (every
+    resume test here)."""
+    side = ckpt.read_sidecar(str(run_dir), "global_step5")
+    resumed, _ = resume(run_dir, "global_step5")
+    assert side["state"] == [ds_state.state_fingerprint(resumed.engine)]  # one rank's sums and sums of squares
+    resumed.engine.destroy()
+    engine = make(seed=123)
+    deepspeed_load = type(engine.engine).load_checkpoint
+
+    def loads_then_loses_a_weight(self, *args, **kwargs):
+        loaded = deepspeed_load(self, *args, **kwargs)
+        with torch.no_grad():
+            next(self.module.parameters()).add_(1e-3)
+        return loaded
+
+    monkeypatch.setattr(type(engine.engine), "load_checkpoint", loads_then_loses_a_weight)
+    with pytest.raises(ckpt.CheckpointError, match=r"DeepSpeed loaded checkpoint .*global_step5, but the weights of "
+                                                   r"rank 0 are not the ones saved; on rank 0: weights sum and sum of "):
+        engine.load_checkpoint(str(run_dir), "global_step5")
+    engine.engine.destroy()

@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import ds_pseudo_real
 from conftest import run_two_ranks
 from ds_pseudo_real import ds_state
+from ds_pseudo_real.checkpoint import CheckpointError
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import nvme_delink  # noqa: E402
+from delink_matrix import fixed_batch  # noqa: E402
 from nvme_delink import carried_moments_check, offload_config, train  # noqa: E402
 
 D_MODEL = nvme_delink.width(1)
@@ -81,3 +84,29 @@ def test_the_nvme_delink_on_two_ranks(async_io, tmp_path):
         passes = 2 + (r["dtype"] == "bf16")
         assert r["swaps_during_delink"] == {"in": 1 + passes * r["real_swapped"],
                                             "out": passes * r["real_swapped"]}, tag
+
+
+def test_a_resume_under_nvme_reproduces_the_run_or_is_refused(async_io, tmp_path):
+    """DeepSpeed 0.19.8 on this CPU restores no weights from a checkpoint whose optimizer state was swapped to NVMe
+    (benchmarks/nvme_offload.py): the resumed run would train on from its own initial weights. The load is refused
+    then, naming the cause; where DeepSpeed restores them, the resumed run has the uninterrupted run's losses."""
+    cfg = offload_config("nvme", str(tmp_path / "swap"))
+    uninterrupted, engine, *_ = train(cfg, D_MODEL, steps=4)
+    engine.engine.destroy()
+    first, engine, *_ = train(cfg, D_MODEL, steps=3)  # past the delink: the real engine's sub-groups
+    engine.save_checkpoint(str(tmp_path / "checkpoints"))
+    engine.engine.destroy()
+    resumed = ds_pseudo_real.initialize(model=nvme_delink.gpt_with_idle_parameters(D_MODEL), config=cfg)[0]
+    with torch.no_grad():
+        for param in resumed.module.parameters():
+            param.ds_tensor.add_(1.0)  # other weights than the checkpoint's
+    try:
+        resumed.load_checkpoint(str(tmp_path / "checkpoints"))
+    except CheckpointError as error:
+        assert "of rank 0 are not the ones saved (ZeRO-3 with offload_optimizer nvme" in str(error)
+    else:
+        loss = resumed(*fixed_batch(3))
+        resumed.backward(loss)
+        resumed.step()
+        assert first + [loss.item()] == uninterrupted
+    resumed.engine.destroy()
