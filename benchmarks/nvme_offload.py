@@ -93,7 +93,7 @@ def deepspeed_run(device: str, width: int, layers: int, sub_group: int, steps: i
     def train(engine, xs):
         losses = []
         for x in xs:
-            loss = engine(x)
+            loss = engine(x.to(engine.device))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "nvme_offload.json")
     args = parser.parse_args(argv)
     init_single_process()
-    from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
+    from deepspeed.ops.op_builder import AsyncIOBuilder
 
     if not AsyncIOBuilder().is_compatible(verbose=False):
         print("DeepSpeed's async_io op cannot build here: apt-get install libaio-dev")

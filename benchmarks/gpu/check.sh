@@ -13,7 +13,8 @@
 #      budget (all resident it needs 18 GiB), each arm's step time over granular's printed side by side;
 #   3. the delink on the device (tests/scripts/delink_matrix.py --check --poison-unfilled): ZeRO 0-3, fp32 and
 #      bf16, the real model built and the pseudo state gathered where the engine trains, every element of the
-#      moments written (the memory left unfilled is NaN), the device's peak bytes during the delink and after it; on CUDA, the delink of a 1.0B GPT against one copy of its parameters (benchmarks/overhead.py).
+#      moments written (the memory left unfilled is NaN), the device's peak bytes during the delink and after it; on CUDA, the delink of a 1.0B GPT against one copy of its parameters (benchmarks/overhead.py), and
+#      DeepSpeed's ZeRO-3 NVMe optimizer offload against its cpu offload (benchmarks/nvme_offload.py) where libaio is.
 #   4. (only when CHECK_PARTS names it) convergence: the memory-bound regime of benchmarks/convergence.py trained on
 #      the device with real offload, 8 seeds (SEEDS), scratch and two switches, where a pseudo step (all on the
 #      device) is far cheaper than an offloaded real one: the GPU wall clock to scratch's final loss per seed
@@ -94,6 +95,13 @@ if want delink; then
     # issue 14's time: the delink of a 1.0B-parameter GPT (fp32, ZeRO 0, moments scaled) on the device, against one
     # copy of its parameters there -> $OUT/overhead_delink.json (delink_over_copy, with its phases)
     step 240 delink_time "$PY" benchmarks/overhead.py --delink-only --delinks 2 --threads 8 --out "$OUT"
+    # DeepSpeed's ZeRO-3 NVMe optimizer offload on CUDA: losses and a resume against the cpu offload (wrong on the CPU
+    # accelerator, benchmarks/README.md); only where DeepSpeed's async_io op can build (libaio)
+    if "$PY" -c "from deepspeed.ops.op_builder import AsyncIOBuilder; import sys; sys.exit(not AsyncIOBuilder().is_compatible(verbose=False))"; then
+      step 120 nvme_offload "$PY" benchmarks/nvme_offload.py --out "$OUT/nvme_offload.json"
+    else
+      echo "== nvme_offload: skipped, DeepSpeed's async_io op cannot build here (no libaio)"
+    fi
   fi
 fi
 if want offload; then
