@@ -836,15 +836,15 @@ class PseudoToRealController:
         reports = ckpt.gather(differ)
         ranks = [r for r, parts in enumerate(reports) if parts]
         if ranks:
-            what = sorted({p for parts in reports for p in parts})
+            names = {"weights": "weights", "optimizer": "optimizer state (fp32 masters, moments)"}
+            what = " and ".join(names[p] for p in names if any(p in parts for parts in reports))
             swapped = " (ZeRO-3 with offload_optimizer nvme: DeepSpeed 0.19.8 restored neither there on the CPU, "\
                       "benchmarks/nvme_offload.py)" if ds_state.swapped_sub_groups(self.engine) else ""
             here = (f"; on rank {rank}: " + ", ".join(f"{p} sum and sum of squares {found[p]}, saved {expected[p]}"
                                                       for p in differ)) if differ else ""
             raise ckpt.CheckpointError(
-                f"DeepSpeed loaded checkpoint {folder}, but the {' and '.join(w if w == 'weights' else 'optimizer state' for w in what)}"
-                f" of rank {', '.join(map(str, ranks))} are not the ones saved{swapped}{here}; training on would "
-                f"silently start from another state")
+                f"DeepSpeed loaded checkpoint {folder}, but the {what} of rank {', '.join(map(str, ranks))} are not "
+                f"the ones saved{swapped}{here}; training on would silently start from another state")
 
     def _check_compatible(self, load_dir: str, tag: str, side: Dict[str, Any]) -> None:
         """Refuse, before DeepSpeed reads anything, a checkpoint this run cannot load, saying what to do instead."""
