@@ -44,6 +44,7 @@ def main(argv=None) -> int:
 
     import ds_pseudo_real
     from ds_pseudo_real import checkpoint as ckpt
+    from ds_pseudo_real import ds_state
     from ds_pseudo_real.models import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -55,7 +56,8 @@ def main(argv=None) -> int:
     engine.backward(engine(x, x))
     engine.step()  # the Adam moments exist
 
-    times = {key: [] for key in ("plain_save", "plugin_save", "verify_checksum", "verify_size", "deepspeed_load")}
+    times = {key: [] for key in ("plain_save", "plugin_save", "verify_checksum", "verify_size", "deepspeed_load",
+                                 "state_fingerprint")}
     root = Path(tempfile.mkdtemp(prefix="ckpt_bench_"))
     try:
         for round_ in range(args.rounds):
@@ -74,6 +76,9 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             engine.engine.load_checkpoint(str(root / "plugin"), "t")
             times["deepspeed_load"].append(time.perf_counter() - start)
+            start = time.perf_counter()  # the plugin's check that the load restored the state: once at save, once here
+            ds_state.state_fingerprint(engine.engine)
+            times["state_fingerprint"].append(time.perf_counter() - start)
             print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in times.items()),
                   flush=True)
         nbytes = verdict.nbytes
@@ -91,6 +96,7 @@ def main(argv=None) -> int:
         "plugin_save_over_plain_save": med["plugin_save"] / med["plain_save"],
         "verify_checksum_over_load": med["verify_checksum"] / med["deepspeed_load"],
         "verify_size_over_load": med["verify_size"] / med["deepspeed_load"],
+        "state_fingerprint_over_load": med["state_fingerprint"] / med["deepspeed_load"],
         "checksum_gib_per_s": nbytes / med["verify_checksum"] / 2**30,
     }
     write_json(Path(args.out), result)
@@ -101,6 +107,8 @@ def main(argv=None) -> int:
          f"{med['verify_checksum']:.3f} s / {med['deepspeed_load']:.2f} s ({result['checksum_gib_per_s']:.2f} GiB/s)"],
         ["verify size / DeepSpeed load", f"{result['verify_size_over_load']:.4f}",
          f"{med['verify_size']:.4f} s / {med['deepspeed_load']:.2f} s"],
+        ["state fingerprint (at save and after a load) / DeepSpeed load", f"{result['state_fingerprint_over_load']:.3f}",
+         f"{med['state_fingerprint']:.3f} s / {med['deepspeed_load']:.2f} s"],
     ]
     print(f"\n{nbytes / 2**30:.2f} GiB per checkpoint, {result['model']['parameters']:,} parameters, "
           f"median of {args.rounds} rounds\n")
