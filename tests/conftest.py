@@ -43,12 +43,13 @@ def deepspeed_ops():
     yield
 
 
-def run_two_ranks(script: Path, *args: str, timeout: float = 600, env_extra=None) -> subprocess.CompletedProcess:
-    """Run ``script`` on 2 gloo ranks with torchrun; fail the test with the output if it exits non-zero."""
+def run_two_ranks(script: Path, *args: str, timeout: float = 600, env_extra=None, ranks: int = 2
+                  ) -> subprocess.CompletedProcess:
+    """Run ``script`` on 2 (``ranks``) gloo ranks with torchrun; fail the test with the output if it exits non-zero."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
     env.update(env_extra or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port()),
            str(script), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if proc.returncode != 0:

@@ -2,6 +2,7 @@
 1 rank and on 2 gloo ranks; the fp32 masters and the optimizer-state policy are carried exactly and the Adam step
 count continues."""
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -36,6 +37,15 @@ def test_delink_two_ranks():
     assert len(results) == len(delink_matrix.matrix())
     for result in results:
         check(result)
+
+
+def test_delink_three_ranks():
+    """On 3 ranks every parameter's element count leaves the last partitions padded (ZeRO 1-3): each case of the
+    matrix is checked on every rank (``--check``: the exit status says whether one failed)."""
+    proc = run_two_ranks(Path(__file__).parent / "scripts" / "delink_matrix.py", "--poison-unfilled", "--check",
+                         timeout=900, ranks=3)
+    passed = set(re.findall(r"rank (\d) ok: (\([^)]*\))", proc.stdout))  # the ranks' lines may interleave
+    assert passed == {(str(rank), str(case)) for rank in range(3) for case in delink_matrix.matrix()}
 
 
 @pytest.mark.parametrize("stage, dtype", [(1, "bf16"), (2, "bf16"), (2, "fp32")])
