@@ -631,11 +631,10 @@ class PseudoToRealController:
             swapped = []  # the copies in sub-groups ZeRO-3 swaps to NVMe, written a sub-group at a time after
             for source, (members, params) in copies.items():  # one shared parameter's moments at a time
                 start_moments = member_moments(policy, moments.pop(source), members)
-                for index, run in ds_state.by_swapped_sub_group(engine, ((None, p) for p in params)):
-                    if index is None:
-                        ds_state.set_full_moments_of_copies(engine, [p for _, p in run], start_moments, unwritten)
-                    else:
-                        swapped.append(([p for _, p in run], start_moments))
+                resident, elsewhere = ds_state.held_in_memory(engine, params)
+                ds_state.set_full_moments_of_copies(engine, resident, start_moments, unwritten)
+                if elsewhere:
+                    swapped.append((elsewhere, start_moments))
                 carried += len(params)
             unwritten.zero_rest()  # padding, and parameters whose source had no moments
             ds_state.write_swapped_moments(engine, counters, swapped)

@@ -314,24 +314,34 @@ def swapped_sub_groups(engine) -> List[int]:
     return [i for i in range(len(optimizer.fp32_partitioned_groups_flat)) if optimizer._swappable_optimizer_subgroup(i)]
 
 
+def _swapped_sub_group_of(engine, param: torch.nn.Parameter, swapped) -> Optional[int]:
+    """The sub-group among ``swapped`` holding ``param``'s fp32 state, None when it is held in memory."""
+    if not (swapped and param.requires_grad and hasattr(param, "ds_id")):
+        return None
+    index = engine.optimizer.grad_position[engine.optimizer.get_param_id(param)][0]
+    return index if index in swapped else None
+
+
 def by_swapped_sub_group(engine, items: Iterable[Tuple[Any, torch.nn.Parameter]]
                          ) -> List[Tuple[Optional[int], List[Tuple[Any, torch.nn.Parameter]]]]:
     """``items`` (anything, parameter) in runs by the swapped sub-group holding each parameter's fp32 state: first
     the parameters held in memory (None), then each swapped sub-group's, in sub-group order. Without swapping, one run
     of all in their order. The same on every rank (ZeRO-3 forms sub-groups alike on all), so collectives match."""
-    items = list(items)
     swapped = set(swapped_sub_groups(engine))
-    if not swapped:
-        return [(None, items)]
-    optimizer = engine.optimizer
     runs: Dict[Optional[int], List[Tuple[Any, torch.nn.Parameter]]] = {None: []}
     for item in items:
-        param = item[1]
-        index = None
-        if param.requires_grad and hasattr(param, "ds_id"):
-            index = optimizer.grad_position[optimizer.get_param_id(param)][0]
-        runs.setdefault(index if index in swapped else None, []).append(item)
+        runs.setdefault(_swapped_sub_group_of(engine, item[1], swapped), []).append(item)
     return [(None, runs.pop(None)), *sorted(runs.items())]
+
+
+def held_in_memory(engine, params: Iterable[torch.nn.Parameter]
+                   ) -> Tuple[List[torch.nn.Parameter], List[torch.nn.Parameter]]:
+    """``params`` split into those whose fp32 state is held in memory and those in sub-groups swapped to NVMe."""
+    swapped = set(swapped_sub_groups(engine))
+    resident, elsewhere = [], []
+    for param in params:
+        (resident if _swapped_sub_group_of(engine, param, swapped) is None else elsewhere).append(param)
+    return resident, elsewhere
 
 
 @contextlib.contextmanager
@@ -460,9 +470,10 @@ def write_swapped_moments(engine, counters: Dict[str, Any],
         return
     pending: Dict[int, List[Tuple[torch.nn.Parameter, Dict[str, torch.Tensor]]]] = {}
     for params, moments in copies:
-        for index, run in by_swapped_sub_group(engine, ((moments, p) for p in params)):
+        for param in params:
+            index = _swapped_sub_group_of(engine, param, swapped)
             if index is not None:
-                pending.setdefault(index, []).extend((p, m) for m, p in run)
+                pending.setdefault(index, []).append((param, moments))
     flats = engine.optimizer.fp32_partitioned_groups_flat
     for index in swapped:
         with resident_sub_group(engine, index, write=True):
@@ -533,12 +544,19 @@ def _set_zero3_partition(engine, param: torch.nn.Parameter, value: torch.Tensor,
             return _set_zero3_partition(engine, param, value, key)
     flat = optimizer.fp32_partitioned_groups_flat[index]
     target = (flat if key is None else basic_optimizer(engine).state[flat][key]).narrow(0, offset, numel)
-    start = numel * torch.distributed.get_rank(group=optimizer._get_param_partition_group(param))
-    count = max(0, min(param.ds_numel - start, numel))
+    start, count = _real_span(param, numel, optimizer._get_param_partition_group(param))
     written = target.narrow(0, 0, count)
     with torch.no_grad():
         written.copy_(value.detach().reshape(-1).narrow(0, start, count))
     return written
+
+
+def _real_span(param: torch.nn.Parameter, numel: int, group) -> Tuple[int, int]:
+    """(start in the full parameter, element count) of the real elements of this rank's ZeRO-3 partition of
+    ``numel`` elements in process ``group``: the last ranks' partitions of a parameter no rank count divides are
+    padded, fewer real elements or none."""
+    start = numel * torch.distributed.get_rank(group=group)
+    return start, max(0, min(param.ds_numel - start, numel))
 
 
 def _local_numel(param: torch.nn.Parameter) -> int:
@@ -600,8 +618,8 @@ def state_fingerprint(engine) -> Optional[Dict[str, List[float]]]:
         numel = local.numel()
         if numel == 0 and param.ds_numel > 0:
             return None
-        start = numel * torch.distributed.get_rank(group=getattr(param, "ds_process_group", None))
-        weights += _sums(local.reshape(-1).narrow(0, 0, max(0, min(param.ds_numel - start, numel))))
+        _, count = _real_span(param, numel, engine.optimizer._get_param_partition_group(param))
+        weights += _sums(local.reshape(-1).narrow(0, 0, count))
     optimizer = torch.zeros(2 + 2 * len(MOMENT_KEYS), dtype=torch.float64)
     flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])
     swapped = {id(flats[i]): i for i in swapped_sub_groups(engine)}
