@@ -638,6 +638,7 @@ class PseudoToRealController:
                 carried += len(params)
             unwritten.zero_rest()  # padding, and parameters whose source had no moments
             ds_state.write_swapped_moments(engine, counters, swapped)
+            ds_state.replay_cpu_adam_steps(engine)
         lap("carry")  # steps, LR schedule and the optimizer state
         self.state.switch_step = self.engine.global_steps
         report = {
@@ -736,10 +737,12 @@ class PseudoToRealController:
         self._raise_if_save_failed(save_dir, tag, failure)
         every = ckpt.gather(written)
         fingerprints = ckpt.gather(ds_state.state_fingerprint(self.engine))  # compared after a load, per rank
+        swap_files = ckpt.gather(ds_state.swapped_state_files(self.engine))  # NVMe: each rank's saved files
         if is_rank0():
             try:
                 merged = {name: entry for part in every for name, entry in part.items()}
-                ckpt.publish(save_dir, tag, {**self._sidecar(), "state": fingerprints}, merged)
+                swapped = {"swapped_state_files": swap_files} if any(f is not None for f in swap_files) else {}
+                ckpt.publish(save_dir, tag, {**self._sidecar(), "state": fingerprints, **swapped}, merged)
             except OSError as error:
                 failure = error
         self._raise_if_save_failed(save_dir, tag, failure)
@@ -810,11 +813,38 @@ class PseudoToRealController:
         if path is None:
             raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {load_dir}/{tag}")
         optimizer_loaded = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
+        self._restore_swapped_state(os.path.join(load_dir, tag), side, optimizer_loaded)
+        if optimizer_loaded:
+            ds_state.replay_cpu_adam_steps(self.engine)
         self._check_state_restored(os.path.join(load_dir, tag), side, optimizer_loaded)
         client = dict(client or {})
         self._restore_plugin_state(client.pop(CLIENT_KEY))
         log_rank0(f"resumed from {os.path.join(load_dir, tag)} at step {self.engine.global_steps} ({self.state.stage} stage)")
         return path, client
+
+    def _restore_swapped_state(self, folder: str, side: Dict[str, Any], optimizer_loaded: bool) -> None:
+        """Under ZeRO-3 with ``offload_optimizer: nvme``, restore the fp32 masters, moments and step counters that
+        DeepSpeed's load leaves out (:func:`~ds_pseudo_real.ds_state.restore_swapped_optimizer_state`), from the
+        checkpoint's files named as the sidecar records. A failure on any rank is a
+        :class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank."""
+        saved = side.get("swapped_state_files")
+        if not optimizer_loaded or saved is None or ds_state.swapped_state_files(self.engine) is None:
+            return
+        rank, world = ckpt.rank_and_world()
+        failure = None
+        try:
+            if len(saved) != world or saved[rank] is None:
+                raise RuntimeError(f"the checkpoint names the swap files of {len(saved)} ranks; this run has {world}")
+            ds_state.restore_swapped_optimizer_state(self.engine, folder, saved[rank])
+        except (OSError, RuntimeError, KeyError) as error:
+            failure = f"{type(error).__name__}: {error}"
+        reports = ckpt.gather(failure)
+        ranks = [r for r, report in enumerate(reports) if report]
+        if ranks:
+            raise ckpt.CheckpointError(
+                f"could not restore the optimizer state swapped to NVMe from checkpoint {folder} (rank "
+                f"{', '.join(map(str, ranks))}): {reports[ranks[0]]}")
+        ds_state.regather_persistent_parameters(self.engine)
 
     def _check_state_restored(self, folder: str, side: Dict[str, Any], optimizer_loaded: bool) -> None:
         """Collective: raise :class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank when DeepSpeed's load
@@ -837,8 +867,8 @@ class PseudoToRealController:
         if ranks:
             names = {"weights": "weights", "optimizer": "optimizer state (fp32 masters, moments)"}
             what = " and ".join(names[p] for p in names if any(p in parts for parts in reports))
-            swapped = " (ZeRO-3 with offload_optimizer nvme: DeepSpeed 0.19.8 restored neither there on the CPU, "\
-                      "benchmarks/nvme_offload.py)" if ds_state.swapped_sub_groups(self.engine) else ""
+            swapped = " (ZeRO-3 with offload_optimizer nvme: the swapped sub-groups were read from the checkpoint's "\
+                      "offloaded_tensors files)" if ds_state.swapped_sub_groups(self.engine) else ""
             here = (f"; on rank {rank}: " + ", ".join(f"{p} sum and sum of squares {found[p]}, saved {expected[p]}"
                                                       for p in differ)) if differ else ""
             raise ckpt.CheckpointError(

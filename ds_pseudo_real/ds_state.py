@@ -45,7 +45,8 @@ _FLAT_FRAGMENTS = ("_lazy_init_hp_params_optimizer_state", "_hp_optimizer_states
 DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
     "pseudo_to_real": {  # full weights and moments read and written at a transition, the byte report, the counters
         "DeepSpeedEngine": ("global_steps", "global_samples", "micro_steps", "skipped_steps", "monitor",
-                            "get_data_types", "destroy"),
+                            "get_data_types", "destroy",
+                            "_get_zero_ckpt_name", "use_node_local_storage", "local_rank", "global_rank"),
         "engine.optimizer": {
             "DeepSpeedZeroOptimizer": _FLAT_FRAGMENTS,
             "BF16_Optimizer": _FLAT_FRAGMENTS,
@@ -55,6 +56,10 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
                                               "_optimizer_states_and_gradient_swap_in",
                                               "_optimizer_states_and_gradient_swap_out", "_release_swap_buffers",
                                               "_get_param_partition_group",
+                                              # a load under NVMe: the sub-groups' masters and moments restored
+                                              "fp16_partitioned_groups_flat_numel",
+                                              "_reassign_or_swap_out_partitioned_parameters",
+                                              "checkpoint_event_prologue", "checkpoint_event_epilogue",
                                               "parameters.ds_id", "parameters.ds_tensor", "parameters.ds_numel"),
             "FP16_UnfusedOptimizer": ("fp16_groups", "fp32_groups"),
             OPTIMIZER_AS_GIVEN: (),
@@ -365,6 +370,120 @@ def resident_sub_group(engine, index: Optional[int], write: bool) -> Iterator[No
             optimizer._optimizer_states_and_gradient_swap_out(index)
         else:
             optimizer._release_swap_buffers(index)
+
+
+def swapped_state_files(engine) -> Optional[Dict[str, List]]:
+    """When the optimizer state is swapped to NVMe: this rank's ZeRO-3 sub-groups in order, as ``ids`` naming their
+    files (``<id>.tensor.swp``, ``exp_avg-<id>.tensor.swp``, ...) and ``numels`` (elements of each fp32 master
+    partition; DeepSpeed's ZeRO checkpoint file holds an empty tensor for a swapped one); None otherwise. DeepSpeed
+    derives the id from the parameters' ``ds_id``, which count every parameter ZeRO-3 has partitioned in the
+    process: an engine built after another (the real one after the delink) names its files otherwise than the one it
+    resumes from did."""
+    optimizer = engine.optimizer
+    if not getattr(optimizer, "swap_optimizer", False):
+        return None
+    return {"ids": [str(flat.ds_id) for flat in optimizer.fp32_partitioned_groups_flat],
+            "numels": [int(n) for n in optimizer.fp16_partitioned_groups_flat_numel]}
+
+
+def offloaded_checkpoint_folder(engine, checkpoint: str) -> str:
+    """Where DeepSpeed's ``save_checkpoint`` copies this rank's swap files (``offloaded_tensors/rank<N>``)."""
+    from deepspeed.checkpoint.ds_to_universal import dp_index_to_str
+
+    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+    return os.path.join(checkpoint, "offloaded_tensors", "rank" + dp_index_to_str(rank))
+
+
+def _read_swap_file(path: str, into: torch.Tensor) -> None:
+    """The first ``into.numel()`` elements of a swap file (raw tensor bytes, padded to the I/O alignment) into
+    ``into``."""
+    numel = into.numel()
+    if os.path.getsize(path) < numel * into.element_size():
+        raise RuntimeError(f"{path} holds {os.path.getsize(path)} bytes, fewer than the {numel} elements of "
+                           f"{into.dtype} its sub-group has")
+    with torch.no_grad():
+        into.copy_(torch.from_file(path, shared=False, size=numel, dtype=into.dtype))
+
+
+def restore_swapped_optimizer_state(engine, checkpoint: str, saved: Dict[str, List]) -> None:
+    """Put back, after DeepSpeed's ``load_checkpoint``, what a ZeRO-3 checkpoint with the optimizer state on NVMe
+    holds of this rank's state and DeepSpeed 0.19.8 leaves unloaded: with ``offload_optimizer: nvme`` it skips its
+    ZeRO checkpoint file and only copies the saved swap files into the swap folder. So the sub-groups it keeps in
+    memory (under 1 MiB) get neither their fp32 masters nor their moments; the swapped ones get their masters, and
+    only where the files' names (``saved``, the saving engine's :func:`swapped_state_files`) are this engine's, but never
+    their moments (a new engine has no state to read them into). Each sub-group is restored here, a swapped one read
+    in once and written back once: the fp32 master and the Adam moments from the ZeRO checkpoint file (held in memory)
+    or the saved swap files (swapped), the step counter from the ZeRO checkpoint file, and the working partition
+    from the master."""
+    from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
+
+    optimizer = engine.optimizer
+    flats = optimizer.fp32_partitioned_groups_flat
+    zero_file = engine._get_zero_ckpt_name(os.path.dirname(checkpoint), os.path.basename(checkpoint))
+    zero_state = torch.load(zero_file, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT]
+    saved_flats, saved_optimizer = zero_state[FP32_FLAT_GROUPS], zero_state[OPTIMIZER_STATE_DICT]
+    saved_ids, numels = saved["ids"], [int(n) for n in optimizer.fp16_partitioned_groups_flat_numel]
+    if len(saved_flats) != len(flats) or saved["numels"] != numels:
+        raise RuntimeError(f"{zero_file} holds {len(saved_flats)} optimizer sub-groups of {saved['numels']} elements "
+                           f"(the sidecar); this engine has {len(flats)} of {numels}")
+    # the saved state is keyed as DeepSpeed lists the sub-groups in its param groups to save: by group, in order
+    keys: Dict[int, int] = {}
+    for group_id, group in enumerate(saved_optimizer["param_groups"]):
+        members = [i for i in range(len(flats)) if optimizer.sub_group_to_group_id[i] == group_id]
+        keys.update(zip(members, group["params"]))
+    folder = offloaded_checkpoint_folder(engine, checkpoint)
+    swapped = set(swapped_sub_groups(engine))
+    optimizer.checkpoint_event_prologue()  # every parameter back to its partition (persistent ones too)
+    for index, flat in enumerate(flats):
+        state_saved = saved_optimizer["state"].get(keys.get(index), {})
+        with resident_sub_group(engine, index if index in swapped else None, write=True):
+            files = {key: os.path.join(folder, f"{key}{saved_ids[index]}.tensor.swp")
+                     for key in ("", *(k + "-" for k in MOMENT_KEYS))}
+            if index in swapped:
+                _read_swap_file(files[""], flat)
+            else:
+                with torch.no_grad():
+                    flat.copy_(saved_flats[index])
+            state = _optimizer_state(engine, flat)
+            for key in MOMENT_KEYS if "step" in state_saved else ():
+                if key not in state or state[key].numel() != flat.numel():
+                    state[key] = unfilled(flat.shape, flat.device).to(flat.dtype)
+                if index in swapped:
+                    _read_swap_file(files[key + "-"], state[key])
+                else:
+                    with torch.no_grad():
+                        state[key].copy_(state_saved[key])
+            if "step" in state_saved:
+                state["step"] = copy.deepcopy(state_saved["step"])
+            optimizer._reassign_or_swap_out_partitioned_parameters(index)  # the working partition from the master
+
+
+def replay_cpu_adam_steps(engine) -> None:
+    """Bring the bias correction of the engine's DeepSpeed CPU Adam kernel (ZeRO's ``offload_optimizer``) to where a
+    run that stepped it from step 1 has it, for a new engine that starts at a later step: after a delink carries the
+    step counters, or a load restores them. The kernel (``Adam_Optimizer::IncrementStep``) multiplies beta^t by beta
+    at each new step but recomputes it with pow() after a jump, which differs in the last bit (beta2 = 0.999: at steps
+    3 and 6 from step 1; at steps 4, 5, 7 and 8 from a first step at 3), so an engine started at a later step would
+    leave the trajectory of the run it continues. Granular offload's kernel is replayed by its own optimizer
+    (``HostAdam.replay_kernel_steps``)."""
+    optimizer = basic_optimizer(engine)
+    kernel, opt_id = getattr(optimizer, "ds_opt_adam", None), getattr(optimizer, "opt_id", None)
+    if kernel is None or opt_id is None:
+        return
+    step = step_counters(engine)["state_step"]
+    step = int(step.item()) if torch.is_tensor(step) else int(step or 0)
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    dummy = [torch.zeros(1) for _ in range(4)]
+    for index in range(1, step + 1):  # lr and weight decay 0 on a one-element dummy: only the kernel's beta^t moves
+        kernel.adam_update(opt_id, index, 0.0, beta1, beta2, group["eps"], 0.0, group["bias_correction"], *dummy)
+
+
+def regather_persistent_parameters(engine) -> None:
+    """Collective, after :func:`restore_swapped_optimizer_state` on every rank: the parameters ZeRO-3 keeps whole on
+    every rank (under its persistence threshold) gathered again from the restored partitions; until then they hold
+    what DeepSpeed's own load gathered."""
+    engine.optimizer.checkpoint_event_epilogue()
 
 
 def _storage_address(tensor: torch.Tensor) -> int:
