@@ -31,13 +31,20 @@ def _model_states_file(folder: Path) -> Path:
     return Path(files[0])
 
 
-def consolidated_fp32_weights(folder: Path, zero_stage: int, model_states: Dict) -> Dict[str, torch.Tensor]:
-    """Full fp32 weights of the unique parameters saved in a DeepSpeed checkpoint folder."""
+def consolidated_fp32_weights(folder: Path, zero_stage: int, model_states: Dict,
+                              swapped: Optional[List[Dict]] = None) -> Dict[str, torch.Tensor]:
+    """Full fp32 weights of the unique parameters saved in a DeepSpeed checkpoint folder; ``swapped``: the sidecar's
+    ``swapped_state_files`` of a ZeRO-3 checkpoint with the optimizer state on NVMe."""
     if zero_stage == 0:
         return {k: v.float() for k, v in model_states["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+    if swapped is not None:
+        from .ds_state import zero3_fp32_weights_with_swapped_masters
+
+        state = zero3_fp32_weights_with_swapped_masters(str(folder), swapped)
+    else:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     state.update(_offload_own_weights(folder, model_states, set(state)))
     return {k: v.float() for k, v in state.items()}
 
@@ -79,7 +86,7 @@ def convert(input_dir: str, output_dir: str, tag: Optional[str] = None) -> Path:
         raise ValueError(f"{input_dir}/{tag} is already a converted checkpoint: it loads on any rank count as it is")
     folder = Path(input_dir) / tag
     model_states = torch.load(_model_states_file(folder), map_location="cpu", weights_only=False)
-    weights = consolidated_fp32_weights(folder, side["zero_stage"], model_states)
+    weights = consolidated_fp32_weights(folder, side["zero_stage"], model_states, side.get("swapped_state_files"))
     plugin = model_states.get(CLIENT_KEY)
     if side["stage"] == PSEUDO:
         real = expand_state_dict(weights, side["layers"], side["num_layers"], side["groups"], clone=True)

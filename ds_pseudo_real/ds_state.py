@@ -83,6 +83,11 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
             OPTIMIZER_AS_GIVEN: (),  # fp32 ZeRO 0 has no own groups
         },
     },
+    "convert": {  # a ZeRO-3 checkpoint with the optimizer state on NVMe: the swapped fp32 partitions filled in
+        "deepspeed.utils.zero_to_fp32": ("parse_model_states", "get_model_state_files", "parse_optim_states",
+                                         "get_optim_files", "_get_fp32_state_dict_from_zero3_checkpoint",
+                                         "to_torch_tensor"),
+    },
     "granular_offload host_params": {  # the model broadcast at initialize, through the device under NCCL
         "DeepSpeedEngine": ("_broadcast_model",),
         "deepspeed.comm": ("broadcast",),
@@ -383,7 +388,8 @@ def swapped_state_files(engine) -> Optional[Dict[str, List]]:
     if not getattr(optimizer, "swap_optimizer", False):
         return None
     return {"ids": [str(flat.ds_id) for flat in optimizer.fp32_partitioned_groups_flat],
-            "numels": [int(n) for n in optimizer.fp16_partitioned_groups_flat_numel]}
+            "numels": [int(n) for n in optimizer.fp16_partitioned_groups_flat_numel],
+            "folder": os.path.relpath(offloaded_checkpoint_folder(engine, "."), ".")}
 
 
 def offloaded_checkpoint_folder(engine, checkpoint: str) -> str:
@@ -431,7 +437,7 @@ def restore_swapped_optimizer_state(engine, checkpoint: str, saved: Dict[str, Li
     for group_id, group in enumerate(saved_optimizer["param_groups"]):
         members = [i for i in range(len(flats)) if optimizer.sub_group_to_group_id[i] == group_id]
         keys.update(zip(members, group["params"]))
-    folder = offloaded_checkpoint_folder(engine, checkpoint)
+    folder = os.path.join(checkpoint, saved["folder"])
     swapped = set(swapped_sub_groups(engine))
     optimizer.checkpoint_event_prologue()  # every parameter back to its partition (persistent ones too)
     for index, flat in enumerate(flats):
@@ -477,6 +483,29 @@ def replay_cpu_adam_steps(engine) -> None:
     dummy = [torch.zeros(1) for _ in range(4)]
     for index in range(1, step + 1):  # lr and weight decay 0 on a one-element dummy: only the kernel's beta^t moves
         kernel.adam_update(opt_id, index, 0.0, beta1, beta2, group["eps"], 0.0, group["bias_correction"], *dummy)
+
+
+def zero3_fp32_weights_with_swapped_masters(folder: str, saved: List[Dict[str, List]]) -> Dict[str, torch.Tensor]:
+    """Full fp32 weights of a ZeRO-3 checkpoint ``folder`` whose optimizer state was swapped to NVMe, where
+    DeepSpeed's ``zero_to_fp32`` stops (its ZeRO files hold an empty fp32 partition for each swapped sub-group):
+    those partitions read from the checkpoint's copies of the swap files, named by ``saved`` (each rank's
+    :func:`swapped_state_files`, from the sidecar), then merged by ``zero_to_fp32``'s own ZeRO-3 reader."""
+    from deepspeed.utils import zero_to_fp32 as reader
+
+    _check_places("convert", {})
+    model_states = reader.parse_model_states(reader.get_model_state_files(folder))
+    stage, world, flats, _ = reader.parse_optim_states(reader.get_optim_files(folder), folder)
+    if stage != 3 or world != len(saved):
+        raise RuntimeError(f"{folder}: ZeRO stage {stage} on {world} ranks, but the sidecar names the swap files of "
+                           f"{len(saved)} ZeRO-3 ranks")
+    for rank, (groups, files) in enumerate(zip(flats, saved)):
+        for index, numel in enumerate(files["numels"]):
+            if groups[index].numel() == 0 and numel > 0:
+                groups[index] = torch.empty(numel, dtype=torch.float32)
+                _read_swap_file(os.path.join(folder, files["folder"], f"{files['ids'][index]}.tensor.swp"),
+                                groups[index])
+    state = reader._get_fp32_state_dict_from_zero3_checkpoint(world, flats, model_states, False)
+    return reader.to_torch_tensor(state)
 
 
 def regather_persistent_parameters(engine) -> None:
