@@ -801,8 +801,14 @@ class PseudoToRealController:
         if stage != (self.depth, self.groups):  # a later stage's checkpoint: that stage's model first
             self._release_engine()
             self._build_engine(*stage, None)
+        loading = dict(kwargs)
+        if side.get("swapped_state_files") and ds_state.swapped_state_files(self.engine) is not None:
+            # DeepSpeed loads ZeRO-3 weights without the optimizer state through zero_to_fp32, which cannot read
+            # sub-groups swapped to NVMe; under NVMe its full load reads no optimizer state anyway (it only copies
+            # the swap files): _restore_swapped_state puts back the weights, and the moments only if asked
+            loading["load_optimizer_states"] = True
         try:
-            path, client = self.engine.load_checkpoint(load_dir, tag, **kwargs)
+            path, client = self.engine.load_checkpoint(load_dir, tag, **loading)
         except Exception as error:
             raise ckpt.CheckpointError(
                 f"DeepSpeed could not load checkpoint {os.path.join(load_dir, tag)}: {type(error).__name__}: {error}; "
@@ -823,19 +829,19 @@ class PseudoToRealController:
         return path, client
 
     def _restore_swapped_state(self, folder: str, side: Dict[str, Any], optimizer_loaded: bool) -> None:
-        """Under ZeRO-3 with ``offload_optimizer: nvme``, restore the fp32 masters, moments and step counters that
-        DeepSpeed's load leaves out (:func:`~ds_pseudo_real.ds_state.restore_swapped_optimizer_state`), from the
+        """Under ZeRO-3 with ``offload_optimizer: nvme``, restore the fp32 masters and working weights, and (when the
+        optimizer state is loaded) the moments and step counters, that DeepSpeed's load leaves out (:func:`~ds_pseudo_real.ds_state.restore_swapped_optimizer_state`), from the
         checkpoint's files named as the sidecar records. A failure on any rank is a
         :class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank."""
         saved = side.get("swapped_state_files")
-        if not optimizer_loaded or saved is None or ds_state.swapped_state_files(self.engine) is None:
+        if saved is None or ds_state.swapped_state_files(self.engine) is None:
             return
         rank, world = ckpt.rank_and_world()
         failure = None
         try:
             if len(saved) != world or saved[rank] is None:
                 raise RuntimeError(f"the checkpoint names the swap files of {len(saved)} ranks; this run has {world}")
-            ds_state.restore_swapped_optimizer_state(self.engine, folder, saved[rank])
+            ds_state.restore_swapped_optimizer_state(self.engine, folder, saved[rank], moments=optimizer_loaded)
         except (OSError, RuntimeError, KeyError) as error:
             failure = f"{type(error).__name__}: {error}"
         reports = ckpt.gather(failure)

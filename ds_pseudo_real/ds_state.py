@@ -411,7 +411,7 @@ def _read_swap_file(path: str, into: torch.Tensor) -> None:
         into.copy_(torch.from_file(path, shared=False, size=numel, dtype=into.dtype))
 
 
-def restore_swapped_optimizer_state(engine, checkpoint: str, saved: Dict[str, List]) -> None:
+def restore_swapped_optimizer_state(engine, checkpoint: str, saved: Dict[str, List], moments: bool = True) -> None:
     """Put back, after DeepSpeed's ``load_checkpoint``, what a ZeRO-3 checkpoint with the optimizer state on NVMe
     holds of this rank's state and DeepSpeed 0.19.8 leaves unloaded: with ``offload_optimizer: nvme`` it skips its
     ZeRO checkpoint file and only copies the saved swap files into the swap folder. So the sub-groups it keeps in
@@ -420,7 +420,8 @@ def restore_swapped_optimizer_state(engine, checkpoint: str, saved: Dict[str, Li
     their moments (a new engine has no state to read them into). Each sub-group is restored here, a swapped one read
     in once and written back once: the fp32 master and the Adam moments from the ZeRO checkpoint file (held in memory)
     or the saved swap files (swapped), the step counter from the ZeRO checkpoint file, and the working partition
-    from the master."""
+    from the master. ``moments`` False (a load without the optimizer state): the masters and working partitions
+    only, the optimizer left without state as a new one is."""
     from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 
     optimizer = engine.optimizer
@@ -451,6 +452,8 @@ def restore_swapped_optimizer_state(engine, checkpoint: str, saved: Dict[str, Li
                 with torch.no_grad():
                     flat.copy_(saved_flats[index])
             state = _optimizer_state(engine, flat)
+            if not moments:
+                state_saved = {}
             for key in MOMENT_KEYS if "step" in state_saved else ():
                 if key not in state or state[key].numel() != flat.numel():
                     state[key] = unfilled(flat.shape, flat.device).to(flat.dtype)

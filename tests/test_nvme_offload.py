@@ -161,3 +161,24 @@ def test_convert_reads_the_fp32_masters_swapped_to_nvme(async_io, tmp_path, save
     assert len(layers) == 4 * len({n.split(".", 2)[2] for n in layers})  # every layer's parameters, 4 layers
     source = nvme_delink.source_of if saved_after == 1 else (lambda name: name)
     assert [name for name in real if not torch.equal(real[name], expected[source(name)])] == []
+
+
+@pytest.mark.parametrize("device", ["nvme", "cpu"])
+def test_a_load_without_the_optimizer_state_under_offload_restores_the_weights(async_io, tmp_path, device):
+    """``load_optimizer_states=False``: the weights are the checkpoint's (the next loss is the uninterrupted run's),
+    the optimizer starts without state. Under ``nvme`` DeepSpeed alone restores no weights of the sub-groups it keeps
+    in memory (refused by the load's check before)."""
+    cfg = offload_config(device, str(tmp_path / "swap"))
+    uninterrupted, engine, *_ = train(cfg, D_MODEL, steps=4)
+    engine.engine.destroy()
+    _, engine, *_ = train(cfg, D_MODEL, steps=3)
+    engine.save_checkpoint(str(tmp_path / "checkpoints"))
+    engine.engine.destroy()
+    resumed = ds_pseudo_real.initialize(model=nvme_delink.gpt_with_idle_parameters(D_MODEL), config=cfg)[0]
+    with torch.no_grad():
+        for param in resumed.module.parameters():
+            param.ds_tensor.add_(1.0)  # other weights than the checkpoint's
+    resumed.load_checkpoint(str(tmp_path / "checkpoints"), load_optimizer_states=False)
+    assert resumed(*fixed_batch(3)).item() == uninterrupted[3]
+    assert ds_state.step_counters(resumed.engine)["state_step"] is None  # no optimizer state
+    resumed.engine.destroy()
