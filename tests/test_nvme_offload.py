@@ -90,8 +90,7 @@ def _masters(engine) -> dict:
     return {name: t for name, t in ds_state.gather_full_state(engine.engine, with_moments=False)[0].items()}
 
 
-@pytest.mark.parametrize("device", ["nvme", "cpu"])
-@pytest.mark.parametrize("saved_after", [1, 3])
+@pytest.mark.parametrize("saved_after, device", [(1, "nvme"), (3, "nvme"), (1, "cpu"), (3, "cpu"), (3, "infinity")])
 def test_a_resume_under_offload_reproduces_the_run(async_io, tmp_path, saved_after, device):
     """A checkpoint of the pseudo (after step 1) or the real stage (after step 3, past the delink), loaded by a new
     engine whose weights are other than the checkpoint's, trains on with the uninterrupted run's losses and ends with
@@ -99,21 +98,25 @@ def test_a_resume_under_offload_reproduces_the_run(async_io, tmp_path, saved_aft
     swapped sub-groups' fp32 masters, and only from files named by the saving engine's parameter ids
     (benchmarks/nvme_offload.py): not their moments, and nothing of the sub-groups it keeps in memory (under 1 MiB).
     Under both, DeepSpeed's CPU Adam kernel computes its bias correction from the steps it has seen (a product over
-    steps, or pow() after a jump): the real engine's kernel first steps at 3, the resumed one's at 4."""
-    cfg = offload_config(device, str(tmp_path / "swap"))
+    steps, or pow() after a jump): the real engine's kernel first steps at 3, the resumed one's at 4. ``infinity``:
+    the parameters on NVMe too (``offload_param: nvme``), where the load's check has no weights in memory to compare."""
+    cfg = offload_config("nvme" if device == "infinity" else device, str(tmp_path / "swap"))
+    if device == "infinity":
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path / "params")}
     uninterrupted, engine, *_ = train(cfg, D_MODEL, steps=saved_after + 2)
     expected = _masters(engine)
     engine.engine.destroy()
     first, engine, *_ = train(cfg, D_MODEL, steps=saved_after)
-    if device == "nvme":
+    if device != "cpu":
         swapped, sub_groups = nvme_delink.swappable_sub_groups(engine), len(engine.engine.optimizer.fp32_partitioned_groups_flat)
         assert (swapped, sub_groups) == ((1, 1) if saved_after == 1 else (3, 4))  # real: swapped ones and one in memory
     engine.save_checkpoint(str(tmp_path / "checkpoints"))
     engine.engine.destroy()
     resumed = ds_pseudo_real.initialize(model=nvme_delink.gpt_with_idle_parameters(D_MODEL), config=cfg)[0]
-    with torch.no_grad():
-        for param in resumed.module.parameters():
-            param.ds_tensor.add_(1.0)  # other weights than the checkpoint's
+    if device != "infinity":  # (there the real engine the load builds starts from the pseudo weights)
+        with torch.no_grad():
+            for param in resumed.module.parameters():
+                param.ds_tensor.add_(1.0)  # other weights than the checkpoint's
     resumed.load_checkpoint(str(tmp_path / "checkpoints"))
     losses = []
     for step in range(saved_after, saved_after + 2):
