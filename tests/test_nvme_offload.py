@@ -12,7 +12,6 @@ import torch
 import ds_pseudo_real
 from conftest import run_two_ranks
 from ds_pseudo_real import ds_state
-from ds_pseudo_real.checkpoint import CheckpointError
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import nvme_delink  # noqa: E402
