@@ -442,7 +442,7 @@ def restore_swapped_optimizer_state(engine, checkpoint: str, saved: Dict[str, Li
     swapped = set(swapped_sub_groups(engine))
     optimizer.checkpoint_event_prologue()  # every parameter back to its partition (persistent ones too)
     for index, flat in enumerate(flats):
-        state_saved = saved_optimizer["state"].get(keys.get(index), {})
+        state_saved = saved_optimizer["state"].get(keys.get(index), {}) if moments else {}
         with resident_sub_group(engine, index if index in swapped else None, write=True):
             files = {key: os.path.join(folder, f"{key}{saved_ids[index]}.tensor.swp")
                      for key in ("", *(k + "-" for k in MOMENT_KEYS))}
@@ -452,8 +452,6 @@ def restore_swapped_optimizer_state(engine, checkpoint: str, saved: Dict[str, Li
                 with torch.no_grad():
                     flat.copy_(saved_flats[index])
             state = _optimizer_state(engine, flat)
-            if not moments:
-                state_saved = {}
             for key in MOMENT_KEYS if "step" in state_saved else ():
                 if key not in state or state[key].numel() != flat.numel():
                     state[key] = unfilled(flat.shape, flat.device).to(flat.dtype)
@@ -480,12 +478,18 @@ def replay_cpu_adam_steps(engine) -> None:
     if kernel is None or opt_id is None:
         return
     step = step_counters(engine)["state_step"]
-    step = int(step.item()) if torch.is_tensor(step) else int(step or 0)
-    group = optimizer.param_groups[0]
+    replay_kernel_steps(optimizer, int(step.item()) if torch.is_tensor(step) else int(step or 0),
+                        optimizer.param_groups[0])
+
+
+def replay_kernel_steps(cpu_adam, last_step: int, group: Dict[str, Any]) -> None:
+    """Steps 1..``last_step`` of ``cpu_adam``'s kernel with lr and weight decay 0 on a one-element dummy: only its
+    bias correction (beta^t, a product over the steps it has seen) moves, to where a run from step 1 has it."""
     beta1, beta2 = group["betas"]
     dummy = [torch.zeros(1) for _ in range(4)]
-    for index in range(1, step + 1):  # lr and weight decay 0 on a one-element dummy: only the kernel's beta^t moves
-        kernel.adam_update(opt_id, index, 0.0, beta1, beta2, group["eps"], 0.0, group["bias_correction"], *dummy)
+    for step in range(1, last_step + 1):
+        cpu_adam.ds_opt_adam.adam_update(cpu_adam.opt_id, step, 0.0, beta1, beta2, group["eps"], 0.0,
+                                         group["bias_correction"], *dummy)
 
 
 def zero3_fp32_weights_with_swapped_masters(folder: str, saved: List[Dict[str, List]]) -> Dict[str, torch.Tensor]:

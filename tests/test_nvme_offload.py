@@ -86,7 +86,7 @@ def test_the_nvme_delink_on_two_ranks(async_io, tmp_path):
 
 
 def _masters(engine) -> dict:
-    return {name: t for name, t in ds_state.gather_full_state(engine.engine, with_moments=False)[0].items()}
+    return ds_state.gather_full_state(engine.engine, with_moments=False)[0]
 
 
 @pytest.mark.parametrize("saved_after, device", [(1, "nvme"), (3, "nvme"), (1, "cpu"), (3, "cpu"), (3, "infinity")])

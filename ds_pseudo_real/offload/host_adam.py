@@ -192,11 +192,7 @@ class HostAdam:
         resumed run leave the uninterrupted trajectory. Replaying steps 1..last_step with lr 0 on a one-element
         dummy reproduces the product exactly.
         """
-        beta1, beta2 = group["betas"]
-        dummy = [torch.zeros(1) for _ in range(4)]
-        for step in range(1, last_step + 1):
-            self._cpu_adam.ds_opt_adam.adam_update(self._cpu_adam.opt_id, step, 0.0, beta1, beta2, group["eps"],
-                                                   0.0, group["bias_correction"], *dummy)
+        ds_state.replay_kernel_steps(self._cpu_adam, last_step, group)
 
     # ----- the pipelined step --------------------------------------------------------------------------------
     def copy_gradients(self, groups: Sequence[Dict[str, Any]], moved: Callable[[Dict[str, Any], int], None]
