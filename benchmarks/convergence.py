@@ -52,7 +52,9 @@ class Arm:
     then the ``stages``' group counts at their fractions of the run, the last one the real model). With ``budget``
     below 1 the arm trains that fraction of the regime's steps, its warmup + cosine schedule ending with them and its
     switch at its fraction of them: whether it reaches scratch's final loss within that budget, as a run planned for
-    it would, rather than on the way through a schedule planned for the full run."""
+    it would, rather than on the way through a schedule planned for the full run. Above 1 the pseudo phase runs longer
+    than scratch's whole run (``budget`` 2, ``switch`` 0.5: as many pseudo steps as scratch has steps, then as many
+    real ones), which pays only where a pseudo step costs a small fraction of a real one."""
 
     name: str
     kind: str = "scratch"
@@ -135,6 +137,8 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
             rewarmup_steps=10, budget=0.5),
         Arm("p2r@10% scale noise 0.01 rewarmup 10 budget 40%", "pseudo_to_real", 0.10, delink_noise=0.01,
             rewarmup_steps=10, budget=0.4),
+        Arm("p2r@50% scale budget 200%", "pseudo_to_real", 0.50, budget=2.0),
+        Arm("p2r@67% scale budget 300%", "pseudo_to_real", 2 / 3, budget=3.0),
     ]
 
 
@@ -456,17 +460,27 @@ def loss_jump(run: Dict) -> Optional[float]:
     return max(after) - at[s] if after and s in at else None
 
 
+def steps_in_real_steps(steps: Optional[float], switch: int, pseudo_cost: float) -> Optional[float]:
+    """The cost, in real steps, of ``steps`` steps of a run that switches from pseudo to real steps at ``switch``, a
+    pseudo step costing ``pseudo_cost`` of a real one: min(steps, switch) x r + max(steps - switch, 0). A run that
+    gets there before its switch has paid for the pseudo steps it took only. None stays None (never)."""
+    if steps is None:
+        return None
+    return min(steps, switch) * pseudo_cost + max(steps - switch, 0.0)
+
+
 def pseudo_cost_for_goal(steps_to_target: Sequence[Optional[float]], switch_steps: Sequence[int], total_steps: int,
                          goal: float = 0.5) -> Optional[float]:
     """The largest cost of a pseudo step, as a fraction of a real step, at which an arm that trains ``switch_steps[i]``
     pseudo steps and then real ones, and reaches scratch's final loss after ``steps_to_target[i]`` steps (None:
     never), takes a median over all seeds (never counting as infinitely slow) of at most ``goal`` x scratch's time
-    (``total_steps`` real steps). Seed i's ratio is (switch x r + steps - switch) / total. None when even free
+    (``total_steps`` real steps). Seed i's ratio is :func:`steps_in_real_steps` / total. None when even free
     pseudo steps would not bring the median there; at most 1."""
     pairs = list(zip(steps_to_target, switch_steps))
 
     def median_at(r: float) -> Optional[float]:
-        return median_counting_missing([None if n is None else (w * r + n - w) / total_steps for n, w in pairs])
+        return median_counting_missing([None if n is None else steps_in_real_steps(n, w, r) / total_steps
+                                        for n, w in pairs])
 
     at_zero = median_at(0.0)
     if at_zero is None or at_zero > goal:
@@ -551,7 +565,7 @@ def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]
             entry["pseudo_cost_for_half_time"] = pseudo_cost_for_goal(reached, switches, regime.steps)
             # the same clock with free pseudo steps: the real steps alone, the least any pseudo cost could give
             entry["ratio_with_free_pseudo_steps"] = median_counting_missing(
-                [None if n is None else (n - w) / regime.steps for n, w in zip(reached, switches)])
+                [None if n is None else steps_in_real_steps(n, w, 0.0) / regime.steps for n, w in zip(reached, switches)])
         arms.append(entry)
     return {"arms": arms}
 

@@ -276,6 +276,19 @@ def test_the_pseudo_step_cost_an_arm_needs_for_the_2x_goal():
     assert pseudo_cost_for_goal([50.0, 60.0], [40, 40], 160) == 1.0  # any pseudo cost up to a real step's
 
 
+def test_a_target_reached_before_the_switch_costs_only_the_pseudo_steps_taken():
+    """A pseudo phase longer than scratch's run (budget above 1) may reach scratch's final loss before it delinks:
+    120 pseudo steps of a 320-step pseudo phase cost 120 r, so r <= 2/3 gives half of scratch's 160 steps, and free
+    pseudo steps give 0 (not the 320 pseudo steps the run had not taken, nor a negative count of real steps)."""
+    from benchmarks.convergence import pseudo_cost_for_goal, steps_in_real_steps
+
+    assert pseudo_cost_for_goal([120.0], [320], 160) == pytest.approx(2 / 3, abs=1e-9)
+    assert steps_in_real_steps(120.0, 320, 0.0) == 0.0
+    assert steps_in_real_steps(120.0, 320, 0.5) == 60.0
+    assert steps_in_real_steps(400.0, 320, 0.5) == 160 + 80  # 320 pseudo steps at half a real one, then 80 real
+    assert steps_in_real_steps(None, 320, 0.5) is None
+
+
 def test_a_budgeted_arm_trains_its_fraction_of_the_steps_on_a_schedule_fitted_to_them():
     """budget 0.5 of 8 steps: 4 steps, the warmup + cosine schedule planned for those 4 (not halfway down one
     planned for 8), the switch at 25 % of the 4; scratch keeps the regime's 8, and the analysis costs the arm's own
