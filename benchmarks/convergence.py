@@ -137,6 +137,8 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
             rewarmup_steps=10, budget=0.5),
         Arm("p2r@10% scale noise 0.01 rewarmup 10 budget 40%", "pseudo_to_real", 0.10, delink_noise=0.01,
             rewarmup_steps=10, budget=0.4),
+        Arm("scratch budget 200%", budget=2.0),
+        Arm("scratch budget 300%", budget=3.0),
         Arm("p2r@50% scale budget 200%", "pseudo_to_real", 0.50, budget=2.0),
         Arm("p2r@67% scale budget 300%", "pseudo_to_real", 2 / 3, budget=3.0),
     ]
