@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -471,18 +471,20 @@ def steps_in_real_steps(steps: Optional[float], switch: int, pseudo_cost: float)
     return min(steps, switch) * pseudo_cost + max(steps - switch, 0.0)
 
 
-def pseudo_cost_for_goal(steps_to_target: Sequence[Optional[float]], switch_steps: Sequence[int], total_steps: int,
-                         goal: float = 0.5) -> Optional[float]:
+def pseudo_cost_for_goal(steps_to_target: Sequence[Optional[float]], switch_steps: Sequence[int],
+                         total_steps: Union[int, Sequence[Optional[float]]], goal: float = 0.5) -> Optional[float]:
     """The largest cost of a pseudo step, as a fraction of a real step, at which an arm that trains ``switch_steps[i]``
     pseudo steps and then real ones, and reaches scratch's final loss after ``steps_to_target[i]`` steps (None:
     never), takes a median over all seeds (never counting as infinitely slow) of at most ``goal`` x scratch's time
-    (``total_steps`` real steps). Seed i's ratio is :func:`steps_in_real_steps` / total. None when even free
-    pseudo steps would not bring the median there; at most 1."""
-    pairs = list(zip(steps_to_target, switch_steps))
+    (``total_steps`` real steps, or per seed the steps a baseline took, None where it never got there). Seed i's
+    ratio is :func:`steps_in_real_steps` / total. None when even free pseudo steps would not bring the median there;
+    at most 1."""
+    totals = [total_steps] * len(switch_steps) if isinstance(total_steps, (int, float)) else list(total_steps)
+    triples = list(zip(steps_to_target, switch_steps, totals))
 
     def median_at(r: float) -> Optional[float]:
-        return median_counting_missing([None if n is None else steps_in_real_steps(n, w, r) / total_steps
-                                        for n, w in pairs])
+        return median_counting_missing([None if n is None or not t else steps_in_real_steps(n, w, r) / t
+                                        for n, w, t in triples])
 
     at_zero = median_at(0.0)
     if at_zero is None or at_zero > goal:
@@ -494,6 +496,36 @@ def pseudo_cost_for_goal(steps_to_target: Sequence[Optional[float]], switch_step
         middle = (low + high) / 2
         low, high = (middle, high) if median_at(middle) <= goal else (low, middle)
     return low
+
+
+def same_schedule_scratch(regime: Regime, arm: Arm) -> Optional[Arm]:
+    """For a variant trained on a schedule other than the regime's (``budget`` != 1), the scratch arm trained on the
+    same one, if the regime has it: a longer LR schedule alone reaches scratch's final loss sooner, so the variant's
+    own gain is measured against that arm too."""
+    if arm.kind == "scratch" or arm.budget == 1.0:
+        return None
+    return next((a for a in regime.arms if a.kind == "scratch" and a.budget == arm.budget), None)
+
+
+def versus_same_schedule(arm: Arm, same: Arm, rows: Dict[int, Dict], per_run: Dict, by: Dict,
+                         clocks: Dict) -> Dict:
+    """``arm`` against the scratch arm ``same`` on its schedule, seed by seed: the ratios of their steps and clocks
+    to the regime scratch's final loss, their final losses paired, and the pseudo step cost at which the arm would
+    take half the steps ``same`` took."""
+    control = {s: per_run[(same.name, s)] for s in rows if (same.name, s) in per_run}
+    out: Dict[str, Any] = {"arm": same.name, "seeds": sorted(control)}
+    for metric in ["steps_to_target"] + [f"{c}_to_target" for c in clocks]:
+        ratios = {s: rows[s][metric] / c[metric] if rows[s][metric] is not None and c[metric] else None
+                  for s, c in control.items()}
+        out[f"{metric.removesuffix('_to_target')}_to_target_ratio"] = {"per_seed": ratios, **spread(list(ratios.values()))}
+    out["final_val_paired"] = paired_differences({s: rows[s]["final_val"] for s in control},
+                                                 {s: c["final_val"] for s, c in control.items()})
+    if arm.kind == "pseudo_to_real" and not arm.stages:
+        seeds = sorted(control)
+        out["pseudo_cost_for_half_time"] = pseudo_cost_for_goal(
+            [rows[s]["steps_to_target"] for s in seeds], [by[(arm.name, s)]["switch_step"] for s in seeds],
+            [control[s]["steps_to_target"] for s in seeds])
+    return out
 
 
 def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]]) -> Dict:
@@ -568,6 +600,9 @@ def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]
             # the same clock with free pseudo steps: the real steps alone, the least any pseudo cost could give
             entry["ratio_with_free_pseudo_steps"] = median_counting_missing(
                 [None if n is None else steps_in_real_steps(n, w, 0.0) / regime.steps for n, w in zip(reached, switches)])
+        same = same_schedule_scratch(regime, arm)
+        if same is not None:
+            entry["vs_same_schedule_scratch"] = versus_same_schedule(arm, same, rows, per_run, by, clocks)
         arms.append(entry)
     return {"arms": arms}
 
@@ -611,6 +646,19 @@ def print_tables(regime: Regime, summary: Dict, clocks: Sequence[str], costs: Di
                          f"{name} {'none would' if r is None else f'<= {r:.2f}'} "
                          f"({'∞' if free is None else f'{free:.2f}'}" + (f", {missing} never" if missing else "") + ")"
                          for name, r, free, missing in needed))
+    for e in summary["arms"]:
+        same = e.get("vs_same_schedule_scratch")
+        if same is None:
+            continue
+        diff, r = same["final_val_paired"], same.get("pseudo_cost_for_half_time", "-")
+        ratios = "; ".join(
+            f"{key.removesuffix('_to_target_ratio')} to target {fmt(v['mean'], 2)}±{fmt(v['std'], 2)} (median of all "
+            + ("∞" if v["median_all"] is None else fmt(v["median_all"], 2)) + (f", {v['missing']} never" if v["missing"] else "") + ")"
+            for key, v in same.items() if key.endswith("_to_target_ratio"))
+        lines.append(f"{e['arm']['name']} against {same['arm']} (the same LR schedule): final val "
+                     f"{fmt(diff['mean'], signed=True)}±{fmt(diff['std'])} ({diff['negative']}/{diff['n']} lower"
+                     + (f", sign p {fmt(diff['sign_p'], 3)}" if diff["n"] else "") + f"); {ratios}; pseudo/real step "
+                     "cost for half its steps " + ("none would" if r is None else r if isinstance(r, str) else f"<= {r:.2f}"))
     text = "\n".join(lines)
     print(text, flush=True)
     return text
@@ -664,6 +712,30 @@ def plot(regime: Regime, runs: List[Dict], clocks: Dict[str, Optional[Dict[str, 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def merge_stored(stored: Sequence[Dict], tags: Sequence[str]) -> Dict:
+    """Results files of separate runs of one regime on the same seeds, as one: every arm in order of first appearance.
+    An arm stored in several files must have run alike in each (the same validation losses, seed for seed: the losses
+    are a function of the code, the seed and the arm), else the files do not belong together."""
+    first = stored[0]
+    seeds = first["seeds"]
+    arms: Dict[str, Dict] = {}
+    runs: Dict[Tuple[str, int], Dict] = {}
+    for tag, one in zip(tags, stored):
+        if one["seeds"] != seeds:
+            raise SystemExit(f"--merge: {tag} has seeds {one['seeds']}, {tags[0]} has {seeds}")
+        for arm in one["regime"]["arms"]:
+            arms.setdefault(arm["name"], arm)
+        for run in one["runs"]:
+            key = (run["arm"], run["seed"])
+            if key in runs and runs[key]["val_loss"] != run["val_loss"]:
+                raise SystemExit(f"--merge: {run['arm']} seed {run['seed']} has other losses in {tag} than before")
+            runs.setdefault(key, run)
+    return {"regime": {**first["regime"], "arms": list(arms.values())}, "seeds": seeds,
+            "machine": {**first["machine"], "merged_from": dict(zip(tags, (one["machine"] for one in stored)))},
+            "elapsed_s": sum(one["elapsed_s"] for one in stored), "offload_model": None,  # recomputed from all runs
+            "runs": list(runs.values())}
 
 
 def run_regime(regime: Regime, seeds: Sequence[int], corpus, out_dir: Path, tag: str,
@@ -755,6 +827,9 @@ def parse_args(argv=None):
                    help="suffix of the results files, convergence_<regime><tag>.json (default '', quick '_quick')")
     p.add_argument("--reanalyse", action="store_true",
                    help="no training: analyse and plot the runs stored in the results files again")
+    p.add_argument("--merge", default=None,
+                   help="with --reanalyse: comma-separated tags of stored runs of the same seeds to analyse together "
+                        "(their common arms, scratch at least, must have identical losses), written under --tag")
     return p.parse_args(argv)
 
 
@@ -772,7 +847,11 @@ def main(argv=None) -> int:
         if args.reanalyse:
             import json
 
-            stored = json.loads((args.out / f"convergence_{regime.name}{tag}.json").read_text())
+            if args.merge:
+                stored = merge_stored([json.loads((args.out / f"convergence_{regime.name}{t}.json").read_text())
+                                       for t in args.merge.split(",")], args.merge.split(","))
+            else:
+                stored = json.loads((args.out / f"convergence_{regime.name}{tag}.json").read_text())
             stored_regime = dict(stored["regime"], arms=[Arm(**a) for a in stored["regime"]["arms"]])
             complete = [r for r in stored["runs"] if r["seed"] in stored["seeds"]]
             run_regime(Regime(**stored_regime), stored["seeds"], None, args.out, tag, complete,

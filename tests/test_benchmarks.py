@@ -116,6 +116,54 @@ def test_analysis_of_synthetic_runs():
     assert by["scratch"]["steps_to_target_ratio_to_scratch"]["mean"] == pytest.approx(1.0)
 
 
+def test_an_arm_on_a_longer_schedule_is_also_compared_with_scratch_on_that_schedule():
+    """Scratch (4 steps) ends at 1.0, the target. Scratch on a schedule twice as long reaches 1.0 at step 3 (3 s);
+    the arm on that schedule, pseudo until step 4 at 0.5 s a step, at step 2 (1 s): 1/3 of the same-schedule
+    scratch's time, and half its 3 steps for a pseudo step of at most 0.75 of a real one. It ends 0.1 lower."""
+    long_scratch = convergence.Arm("scratch budget 200%", budget=2.0)
+    long_arm = convergence.Arm("p2r budget 200%", "pseudo_to_real", 0.5, budget=2.0)
+    regime = convergence.Regime("t", 2, 8, 2, 4, 1, 4, 1e-3, 1, 1, 1,
+                                [convergence.Arm("scratch"), long_scratch, long_arm])
+    scratch = _run("scratch", 0, [(0, 3.0), (2, 1.5), (4, 1.0)], ["real"] * 4, [1.0] * 4)
+    control = _run(long_scratch.name, 0, [(0, 3.0), (2, 2.0), (3, 1.0), (8, 0.6)], ["real"] * 8, [1.0] * 8)
+    arm = _run(long_arm.name, 0, [(0, 3.0), (2, 1.0), (8, 0.5)], ["pseudo_g1"] * 4 + ["real"] * 4,
+               [0.5] * 4 + [1.0] * 4, switch=4)
+    arm["optimizer_s"] = [0.1] * 8
+    summary = convergence.analyse(regime, [scratch, control, arm], {"cost": {"pseudo_g1": 0.5, "real": 1.0}})
+    by = {e["arm"]["name"]: e for e in summary["arms"]}
+    same = by[long_arm.name]["vs_same_schedule_scratch"]
+    assert same["arm"] == long_scratch.name
+    assert same["steps_to_target_ratio"]["per_seed"] == {0: pytest.approx(2 / 3)}
+    assert same["cost_to_target_ratio"]["per_seed"] == {0: pytest.approx(1 / 3)}
+    assert same["final_val_paired"]["mean"] == pytest.approx(-0.1)
+    assert same["pseudo_cost_for_half_time"] == pytest.approx(0.75, abs=1e-9)
+    # against the regime's scratch, as before: 1 s of its 4
+    assert by[long_arm.name]["cost_to_target_ratio_to_scratch"]["per_seed"] == {0: pytest.approx(0.25)}
+    assert "vs_same_schedule_scratch" not in by["scratch"] and "vs_same_schedule_scratch" not in by[long_scratch.name]
+
+
+def test_stored_runs_of_the_same_seeds_merge_and_disagreeing_ones_do_not():
+    scratch = _run("scratch", 0, [(0, 3.0), (4, 1.0)], ["real"] * 4, [1.0] * 4)
+    a = _run("a", 0, [(0, 3.0), (4, 0.9)], ["real"] * 4, [1.0] * 4)
+    b = _run("b", 0, [(0, 3.0), (4, 0.8)], ["real"] * 4, [1.0] * 4)
+
+    def stored(runs, arms):
+        return {"regime": {"arms": [{"name": n} for n in arms]}, "seeds": [0], "machine": {"commit": "x"},
+                "elapsed_s": 1.0, "runs": runs}
+
+    merged = convergence.merge_stored([stored([scratch, a], ["scratch", "a"]), stored([dict(scratch), b],
+                                       ["scratch", "b"])], ["_1", "_2"])
+    assert [arm["name"] for arm in merged["regime"]["arms"]] == ["scratch", "a", "b"]
+    assert [r["arm"] for r in merged["runs"]] == ["scratch", "a", "b"] and merged["elapsed_s"] == 2.0
+    assert set(merged["machine"]["merged_from"]) == {"_1", "_2"}
+    other = dict(scratch, val_loss=[3.0, 1.1])
+    with pytest.raises(SystemExit, match="scratch seed 0 has other losses in _2"):
+        convergence.merge_stored([stored([scratch], ["scratch"]), stored([other], ["scratch"])], ["_1", "_2"])
+    with pytest.raises(SystemExit, match="seeds"):
+        convergence.merge_stored([stored([scratch], ["scratch"]), {**stored([scratch], ["scratch"]), "seeds": [1]}],
+                                 ["_1", "_2"])
+
+
 def test_phase_medians_skip_first_and_switch_steps():
     run = _run("p2r", 0, [(0, 1.0)], ["pseudo_g1"] * 3 + ["real"] * 3, [9.0, 1.0, 50.0, 60.0, 2.0, 2.0], switch=3)
     assert convergence.phase_medians([run], "step_s") == {"pseudo_g1": 1.0, "real": 2.0}
