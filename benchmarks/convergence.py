@@ -67,6 +67,7 @@ class Arm:
     rewarmup_steps: int = 0  # pseudo_to_real.rewarmup_steps: the LR ramps up again over these steps after the switch
     plateau: Optional[Tuple[int, float]] = None  # switch on a train-loss plateau (window, min_improvement) instead
     budget: float = 1.0  # the fraction of the regime's steps this arm trains, its LR schedule fitted to them
+    lr_scale: float = 1.0  # this arm's peak LR over the regime's: is the scratch baseline's LR a fair one?
 
 
 @dataclass
@@ -141,6 +142,14 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
         Arm("scratch budget 300%", budget=3.0),
         Arm("p2r@50% scale budget 200%", "pseudo_to_real", 0.50, budget=2.0),
         Arm("p2r@67% scale budget 300%", "pseudo_to_real", 2 / 3, budget=3.0),
+        # the baseline's LR: scratch at half and twice the regime's peak LR, and the best arms at twice it
+        Arm("scratch lr x0.5", lr_scale=0.5),
+        Arm("scratch lr x2", lr_scale=2.0),
+        Arm("scratch lr x4", lr_scale=4.0),
+        Arm("p2r@10% scale noise 0.01 rewarmup 10 lr x2", "pseudo_to_real", 0.10, delink_noise=0.01,
+            rewarmup_steps=10, lr_scale=2.0),
+        Arm("scratch budget 200% lr x2", budget=2.0, lr_scale=2.0),
+        Arm("p2r@50% scale budget 200% lr x2", "pseudo_to_real", 0.50, budget=2.0, lr_scale=2.0),
     ]
 
 
@@ -232,8 +241,11 @@ def ds_config(regime: Regime, pseudo_to_real: Dict) -> Dict:
 
 
 def arm_regime(regime: Regime, arm: Arm) -> Regime:
-    """``regime`` as ``arm`` trains it: its steps (and so its LR schedule) cut to the arm's budget."""
-    return regime if arm.budget == 1.0 else replace(regime, steps=max(1, round(arm.budget * regime.steps)))
+    """``regime`` as ``arm`` trains it: its steps (and so its LR schedule) cut to the arm's budget, its peak LR
+    scaled by the arm's ``lr_scale``."""
+    if arm.budget == 1.0 and arm.lr_scale == 1.0:
+        return regime
+    return replace(regime, steps=max(1, round(arm.budget * regime.steps)), lr=regime.lr * arm.lr_scale)
 
 
 def switch_step(regime: Regime, arm: Arm) -> Optional[int]:
@@ -502,9 +514,10 @@ def same_schedule_scratch(regime: Regime, arm: Arm) -> Optional[Arm]:
     """For a variant trained on a schedule other than the regime's (``budget`` != 1), the scratch arm trained on the
     same one, if the regime has it: a longer LR schedule alone reaches scratch's final loss sooner, so the variant's
     own gain is measured against that arm too."""
-    if arm.kind == "scratch" or arm.budget == 1.0:
+    if arm.kind == "scratch" or (arm.budget, arm.lr_scale) == (1.0, 1.0):
         return None
-    return next((a for a in regime.arms if a.kind == "scratch" and a.budget == arm.budget), None)
+    return next((a for a in regime.arms
+                 if a.kind == "scratch" and (a.budget, a.lr_scale) == (arm.budget, arm.lr_scale)), None)
 
 
 def versus_same_schedule(arm: Arm, same: Arm, rows: Dict[int, Dict], per_run: Dict, by: Dict,

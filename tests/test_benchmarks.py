@@ -358,6 +358,26 @@ def test_a_budgeted_arm_trains_its_fraction_of_the_steps_on_a_schedule_fitted_to
     assert entry["switch_step"] == 1 and entry["cost_total"]["per_seed"][0] == 1.0 + 3 * 2.0
 
 
+def test_an_arm_with_another_peak_lr_trains_at_it_and_is_compared_with_scratch_at_it():
+    """lr x2: the arm's config has twice the regime's peak LR on the regime's schedule; a variant at lr x2 on a
+    longer schedule has for control the scratch arm at lr x2 on that schedule, not the one at the regime's LR."""
+    fast = convergence.Arm("scratch lr x2", lr_scale=2.0)
+    long_plain = convergence.Arm("scratch budget 200%", budget=2.0)
+    long_fast = convergence.Arm("scratch budget 200% lr x2", budget=2.0, lr_scale=2.0)
+    arm = convergence.Arm("p2r budget 200% lr x2", "pseudo_to_real", 0.5, budget=2.0, lr_scale=2.0)
+    arm_short = convergence.Arm("p2r lr x2", "pseudo_to_real", 0.1, lr_scale=2.0)
+    regime = convergence.Regime("t", 2, 16, 2, 8, 2, 8, 1e-2, 1, 2, 1,
+                                [convergence.Arm("scratch"), fast, long_plain, long_fast, arm, arm_short])
+    params = lambda a: convergence.ds_config(convergence.arm_regime(regime, a), {})  # noqa: E731
+    assert params(fast)["optimizer"]["params"]["lr"] == 2e-2
+    assert params(fast)["scheduler"]["params"]["total_num_steps"] == 8
+    assert params(arm)["optimizer"]["params"]["lr"] == 2e-2 and params(arm)["scheduler"]["params"]["total_num_steps"] == 16
+    assert params(long_plain)["optimizer"]["params"]["lr"] == 1e-2
+    assert convergence.same_schedule_scratch(regime, arm) is long_fast
+    assert convergence.same_schedule_scratch(regime, arm_short) is fast
+    assert convergence.same_schedule_scratch(regime, fast) is None
+
+
 def test_the_delink_timing_reports_each_delink_against_one_and_three_copies(tmp_path):
     """benchmarks/overhead.py --delink-only at a tiny size: every delink of the run timed with its phases, beside
     one and three clones of the real parameters, and the real model it built of the right size."""
