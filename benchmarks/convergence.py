@@ -150,6 +150,11 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
             rewarmup_steps=10, lr_scale=2.0),
         Arm("scratch budget 200% lr x2", budget=2.0, lr_scale=2.0),
         Arm("p2r@50% scale budget 200% lr x2", "pseudo_to_real", 0.50, budget=2.0, lr_scale=2.0),
+        # each side at its best LR: the long pseudo phases at half the LR, scratch on the long schedules higher
+        Arm("p2r@50% scale budget 200% lr x0.5", "pseudo_to_real", 0.50, budget=2.0, lr_scale=0.5),
+        Arm("p2r@67% scale budget 300% lr x0.5", "pseudo_to_real", 2 / 3, budget=3.0, lr_scale=0.5),
+        Arm("scratch budget 200% lr x4", budget=2.0, lr_scale=4.0),
+        Arm("scratch budget 300% lr x2", budget=3.0, lr_scale=2.0),
     ]
 
 
