@@ -68,6 +68,7 @@ class Arm:
     plateau: Optional[Tuple[int, float]] = None  # switch on a train-loss plateau (window, min_improvement) instead
     budget: float = 1.0  # the fraction of the regime's steps this arm trains, its LR schedule fitted to them
     lr_scale: float = 1.0  # this arm's peak LR over the regime's: is the scratch baseline's LR a fair one?
+    pseudo_lr_scale: float = 1.0  # pseudo_to_real.pseudo_lr_scale: the LR before the real model, over the arm's
 
 
 @dataclass
@@ -155,6 +156,14 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
         Arm("p2r@67% scale budget 300% lr x0.5", "pseudo_to_real", 2 / 3, budget=3.0, lr_scale=0.5),
         Arm("scratch budget 200% lr x4", budget=2.0, lr_scale=4.0),
         Arm("scratch budget 300% lr x2", budget=3.0, lr_scale=2.0),
+        # each stage at its own LR (pseudo_to_real.pseudo_lr_scale): the shared model at half the regime's, the
+        # real one at twice it, against scratch at twice it on the same schedule
+        Arm("p2r@50% scale budget 200% lr x2 pseudo x0.25", "pseudo_to_real", 0.50, budget=2.0, lr_scale=2.0,
+            pseudo_lr_scale=0.25),
+        Arm("p2r@67% scale budget 300% lr x2 pseudo x0.25", "pseudo_to_real", 2 / 3, budget=3.0, lr_scale=2.0,
+            pseudo_lr_scale=0.25),
+        Arm("p2r@50% scale budget 200% lr x2 pseudo x0.25 rewarmup 10", "pseudo_to_real", 0.50, budget=2.0,
+            lr_scale=2.0, pseudo_lr_scale=0.25, rewarmup_steps=10),
     ]
 
 
@@ -365,7 +374,8 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
                    else {"at_step": switch or regime.steps + 1})
         ptr = {"enabled": arm.kind == "pseudo_to_real", "layers": "layers", "groups": arm.groups,
                "switch": trigger, "optimizer_state": arm.optimizer_state,
-               "delink_noise": arm.delink_noise, "rewarmup_steps": arm.rewarmup_steps}
+               "delink_noise": arm.delink_noise, "rewarmup_steps": arm.rewarmup_steps,
+               "pseudo_lr_scale": arm.pseudo_lr_scale}
         engine = build_engine(regime, regime.n_layer, seed, ptr)
         first_phase = f"pseudo_g{arm.groups}" if arm.kind == "pseudo_to_real" else "real"
     params = {first_phase: unique_numel(engine.module)}

@@ -110,6 +110,7 @@ class PseudoToRealConfig(SectionModel):
     optimizer_state: OptimizerStatePolicy = OptimizerStatePolicy.COPY
     rewarmup_steps: int = Field(0, ge=0)
     delink_noise: float = Field(0.0, ge=0.0)
+    pseudo_lr_scale: float = Field(1.0, gt=0.0)
 
     @model_validator(mode="after")
     def _schedule_shape(self) -> "PseudoToRealConfig":

@@ -49,7 +49,7 @@ from .sharing import (
     parameter_like,
     truncate_layers,
 )
-from .transition import StageTransitionCallback, member_moments, rewarmup_factor
+from .transition import StageTransitionCallback, lr_factor, member_moments
 
 CLIENT_KEY = ckpt.CLIENT_KEY
 RETIRED_MODULE = ("this module was the pseudo model, which the delink replaced by the real one; train, evaluate and "
@@ -376,7 +376,8 @@ class PseudoToRealController:
             )
 
     def _scale_lr(self, optimizer, *_):
-        """Step pre-hook: the re-warmup factor applies to this optimizer step only (ZeRO steps group by group)."""
+        """Step pre-hook: the stage's LR factor (``pseudo_lr_scale``, the re-warmup) applies to this optimizer step
+        only (ZeRO steps group by group); the scheduler keeps the schedule's values."""
         if self._lr_factor != 1.0:
             self._unscaled_lrs = [group["lr"] for group in optimizer.param_groups]
             for group in optimizer.param_groups:
@@ -413,8 +414,9 @@ class PseudoToRealController:
 
     def step(self, **kwargs):
         boundary = self.engine.is_gradient_accumulation_boundary()
-        if self.state.switch_step is not None:  # the re-warmup follows every transition
-            self._lr_factor = rewarmup_factor(self.engine.global_steps - self.state.switch_step, self.config.rewarmup_steps)
+        since = None if self.state.switch_step is None else self.engine.global_steps - self.state.switch_step
+        self._lr_factor = lr_factor(self.state.stage == PSEUDO, self.config.pseudo_lr_scale, since,
+                                    self.config.rewarmup_steps)
         result = self.engine.step(**kwargs)
         self._lr_factor = 1.0
         if boundary:

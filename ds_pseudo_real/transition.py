@@ -96,3 +96,14 @@ def rewarmup_factor(steps_since_switch: int, rewarmup_steps: int) -> float:
     if rewarmup_steps <= 0 or steps_since_switch >= rewarmup_steps:
         return 1.0
     return (steps_since_switch + 1) / (rewarmup_steps + 1)
+
+
+def lr_factor(shared_stage: bool, pseudo_lr_scale: float, steps_since_switch: Optional[int],
+              rewarmup_steps: int) -> float:
+    """LR multiplier for one optimizer step: ``pseudo_lr_scale`` in a stage before the real model (a shared set's
+    update moves every layer it stands for at once), times the re-warmup ramp after a transition
+    (``steps_since_switch`` None before the first)."""
+    factor = pseudo_lr_scale if shared_stage else 1.0
+    if steps_since_switch is not None:
+        factor *= rewarmup_factor(steps_since_switch, rewarmup_steps)
+    return factor

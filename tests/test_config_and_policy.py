@@ -4,7 +4,7 @@ import torch
 
 from ds_pseudo_real.callbacks import TrainingControl, TrainingState
 from ds_pseudo_real.config import ConfigError, SwitchTrigger, parse_pseudo_to_real
-from ds_pseudo_real.transition import StageTransitionCallback, member_moments, plateaued, rewarmup_factor
+from ds_pseudo_real.transition import StageTransitionCallback, lr_factor, member_moments, plateaued, rewarmup_factor
 
 
 def parse(section):
@@ -27,6 +27,7 @@ def test_defaults_and_absent_section():
         ({"switch": {"at_step": 5, "at_tokens": 9}}, r"pseudo_to_real.switch: .*exactly one of at_step, at_tokens, on_plateau"),
         ({"switch": {"on_plateau": {"metric": "loss"}}}, r"pseudo_to_real.switch.on_plateau.metric: .*'val_loss' or 'train_loss'"),
         ({"rewarmup_steps": -1}, r"pseudo_to_real.rewarmup_steps: .*greater than or equal to 0 \(got -1\)"),
+        ({"pseudo_lr_scale": 0}, r"pseudo_to_real.pseudo_lr_scale: .*greater than 0 \(got 0\)"),
     ],
 )
 def test_bad_values_name_key_value_and_accepted(section, expected):
@@ -100,6 +101,13 @@ def test_moment_policies():
     assert torch.equal(scaled["exp_avg_sq"], torch.tensor([1.0, 2.0]))
     assert member_moments("reset", moments, 4) is None
     assert torch.equal(member_moments("scale", moments, 1)["exp_avg"], moments["exp_avg"])
+
+
+def test_the_lr_factor_is_the_pseudo_scale_in_a_shared_stage_times_the_rewarmup():
+    assert lr_factor(True, 0.5, None, 4) == 0.5  # before any transition: no re-warmup
+    assert lr_factor(True, 0.5, 1, 4) == pytest.approx(0.5 * 0.4)  # a middle stage of a schedule, ramping up
+    assert [lr_factor(False, 0.5, k, 2) for k in range(4)] == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0])
+    assert lr_factor(False, 0.5, None, 0) == 1.0  # the real model from the start (enabled: false)
 
 
 def test_rewarmup_factor_ramps_linearly_then_stays_at_one():

@@ -130,6 +130,35 @@ def test_lr_rewarmup_after_the_switch():
     engine.engine.destroy()
 
 
+def test_pseudo_lr_scale_applies_before_the_switch_only_and_under_the_rewarmup():
+    """pseudo_lr_scale 0.5 at ZeRO 1: the pseudo steps take half the schedule's LR, the real ones its full value
+    ramped by the re-warmup; the scheduler's LR is never changed; and a pseudo step at 0.5 x 3e-3 is, bit for bit,
+    one at 1.5e-3."""
+    def run(lr, scale, steps):
+        cfg = config(1, "fp32", "copy", switch=2)
+        cfg["optimizer"]["params"]["lr"] = lr
+        cfg["pseudo_to_real"].update(rewarmup_steps=2, pseudo_lr_scale=scale)
+        engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=cfg)
+        seen, losses, hooked = [], [], None
+        for _ in range(steps):
+            if hooked is not engine.engine:
+                hooked = engine.engine
+                ds_state.basic_optimizer(hooked).register_step_pre_hook(
+                    lambda opt, *_: seen.append(opt.param_groups[0]["lr"]))
+            loss = engine(*fixed_batch(1))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert engine.optimizer.param_groups[0]["lr"] == lr  # the factor never leaks into the stored LR
+        engine.engine.destroy()
+        return seen, losses
+
+    seen, losses = run(3e-3, 0.5, 5)
+    assert seen == pytest.approx([1.5e-3, 1.5e-3, 3e-3 / 3, 3e-3 * 2 / 3, 3e-3])
+    plain_seen, plain_losses = run(1.5e-3, 1.0, 2)
+    assert plain_seen == seen[:2] and plain_losses == losses[:2]
+
+
 @pytest.fixture(scope="module")
 def corpus():
     return ByteCorpus(max_bytes=1 << 20)
