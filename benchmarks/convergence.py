@@ -164,6 +164,10 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
             pseudo_lr_scale=0.25),
         Arm("p2r@50% scale budget 200% lr x2 pseudo x0.25 rewarmup 10", "pseudo_to_real", 0.50, budget=2.0,
             lr_scale=2.0, pseudo_lr_scale=0.25, rewarmup_steps=10),
+        Arm("p2r@10% scale pseudo x0.5", "pseudo_to_real", 0.10, pseudo_lr_scale=0.5),
+        Arm("p2r@25% scale pseudo x0.5", "pseudo_to_real", 0.25, pseudo_lr_scale=0.5),
+        Arm("p2r@10% G=4 scale noise 0.01 pseudo x0.5", "pseudo_to_real", 0.10, groups=4, delink_noise=0.01,
+            pseudo_lr_scale=0.5),
     ]
 
 
