@@ -81,6 +81,20 @@ def test_select_arms_keeps_the_regime_order_and_requires_scratch():
         convergence.select_arms(arms, "p2r@10% scale")
 
 
+def test_the_gpu_checks_convergence_arms_are_arms_of_the_regime_with_their_control():
+    """A misspelt arm in benchmarks/gpu/check.sh would cost a device session its convergence part: every arm it
+    names is one of the memory-bound regime's, and its pseudo-to-real arm has its same-schedule scratch beside it."""
+    import re
+
+    script = (REPO / "benchmarks" / "gpu" / "check.sh").read_text()
+    names = re.search(r'benchmarks/convergence\.py --regime memory_bound.*?--arms "([^"]+)"', script, re.S).group(1)
+    arms = convergence.memory_bound_arms(8, quick=False)
+    chosen = convergence.select_arms(arms, names)
+    regime = convergence.Regime("t", 8, 8, 2, 4, 1, 160, 2e-3, 1, 1, 1, chosen)
+    shared = [a for a in chosen if a.kind == "pseudo_to_real"]
+    assert shared and all(convergence.same_schedule_scratch(regime, a) in chosen for a in shared)
+
+
 def _run(arm, seed, evals, phases, step_s, switch=None):
     return {"arm": arm, "seed": seed, "switch_step": switch, "parameters": {"real": 10}, "transition": None,
             "phases": phases, "compute_s": step_s, "optimizer_s": [0.0] * len(step_s), "step_s": step_s,
