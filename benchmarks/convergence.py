@@ -530,9 +530,9 @@ def pseudo_cost_for_goal(steps_to_target: Sequence[Optional[float]], switch_step
 
 
 def same_schedule_scratch(regime: Regime, arm: Arm) -> Optional[Arm]:
-    """For a variant trained on a schedule other than the regime's (``budget`` != 1), the scratch arm trained on the
-    same one, if the regime has it: a longer LR schedule alone reaches scratch's final loss sooner, so the variant's
-    own gain is measured against that arm too."""
+    """For a variant trained on a schedule other than the regime's (``budget`` or ``lr_scale`` != 1), the scratch arm
+    trained on the same one, if the regime has it: a longer or higher LR schedule alone may reach scratch's final
+    loss sooner, so the variant's own gain is measured against that arm too."""
     if arm.kind == "scratch" or (arm.budget, arm.lr_scale) == (1.0, 1.0):
         return None
     return next((a for a in regime.arms

@@ -17,9 +17,10 @@
 #      DeepSpeed's ZeRO-3 NVMe optimizer offload against its cpu offload (benchmarks/nvme_offload.py) where libaio is.
 #   4. (only when CHECK_PARTS names it) convergence: the memory-bound regime of benchmarks/convergence.py trained on
 #      the device with real offload, 8 seeds (SEEDS), scratch, and a pseudo phase as long as scratch's run (at half
-#      the LR, the real model at twice it) with scratch on that schedule at both LRs, where a pseudo step (all on the device) is far cheaper than an
-#      offloaded real one: the GPU wall clock to scratch's final loss per seed (gpu_wall_to_target_ratio_to_scratch,
-#      and against the same-schedule scratch), within what is left of CHECK_SECONDS.
+#      the LR, the real model at twice it) with scratch on that schedule at both LRs, where a pseudo step (all on the
+#      device) is far cheaper than an offloaded real one: the GPU wall clock to scratch's final loss per seed
+#      (gpu_wall_to_target_ratio_to_scratch, and against the same-schedule scratch), within what is left of
+#      CHECK_SECONDS.
 # CHECK_PARTS (default "offload,delink") picks parts 1-2 (offload), 3 (delink) and 4 (convergence); e.g.
 # CHECK_PARTS=delink,convergence CHECK_SECONDS=540. Without CUDA it runs steps 1 and 3 on the CPU only.
 # Usage: bash benchmarks/gpu/check.sh [BUNDLE_DIR, default .whl]
