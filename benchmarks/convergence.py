@@ -40,6 +40,7 @@ from benchmarks.common import (  # noqa: E402
     RESULTS, cost_model_clock, cumulative, fmt, first_crossing, machine_description, markdown_table, median,
     median_counting_missing, paired_differences, spread, value_at, write_json,
 )
+from ds_pseudo_real.callbacks import PSEUDO, TrainingCallback  # noqa: E402
 
 JUMP_OFFSETS = (1, 2, 5, 10, 20)  # evaluations right after the switch, to see the loss jump
 
@@ -168,6 +169,16 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
         Arm("p2r@25% scale pseudo x0.5", "pseudo_to_real", 0.25, pseudo_lr_scale=0.5),
         Arm("p2r@10% G=4 scale noise 0.01 pseudo x0.5", "pseudo_to_real", 0.10, groups=4, delink_noise=0.01,
             pseudo_lr_scale=0.5),
+        # the long first stage: the shared model's LR either side of half the regime's, two shared sets, and a
+        # shallow model (its step does fewer layers' work) grown to full depth
+        Arm("p2r@67% scale budget 300% lr x0.35", "pseudo_to_real", 2 / 3, budget=3.0, lr_scale=0.35),
+        Arm("p2r@67% scale budget 300% lr x0.7", "pseudo_to_real", 2 / 3, budget=3.0, lr_scale=0.7),
+        Arm("p2r@67% G=2 scale budget 300% lr x0.5", "pseudo_to_real", 2 / 3, groups=2, budget=3.0, lr_scale=0.5),
+        Arm(f"stack {n_layer // 2}->{n_layer} @67% budget 300%", "stacking", 2 / 3, stack_depth=n_layer // 2,
+            budget=3.0),
+        Arm(f"stack {n_layer // 4}->{n_layer} @67% budget 300%", "stacking", 2 / 3, stack_depth=n_layer // 4,
+            budget=3.0),
+        Arm(f"stack {n_layer // 4}->{n_layer} @67%", "stacking", 2 / 3, stack_depth=n_layer // 4),
     ]
 
 
@@ -316,6 +327,19 @@ def evaluate(engine, corpus, regime: Regime) -> float:
     return total / regime.eval_batches
 
 
+class BeforeTransition(TrainingCallback):
+    """Evaluates the model a transition is about to replace, once a trigger has decided it (the transition runs
+    right after the callbacks, inside ``engine.step()``): ``evaluated`` [(step, val loss)]."""
+
+    def __init__(self, engine, corpus, regime: Regime):
+        self.engine, self.corpus, self.regime = engine, corpus, regime
+        self.evaluated: List[Tuple[int, float]] = []
+
+    def on_step_end(self, state, control) -> None:
+        if control.should_delink and state.stage == PSEUDO:
+            self.evaluated.append((state.global_step, evaluate(self.engine, self.corpus, self.regime)))
+
+
 def unique_numel(module) -> int:
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
 
@@ -383,6 +407,8 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
         engine = build_engine(regime, regime.n_layer, seed, ptr)
         first_phase = f"pseudo_g{arm.groups}" if arm.kind == "pseudo_to_real" else "real"
     params = {first_phase: unique_numel(engine.module)}
+    before_transition = BeforeTransition(engine, corpus, regime)
+    engine.callbacks.callbacks.append(before_transition)  # after the trigger: it sees the decision
     eval_steps = set(range(regime.eval_interval, regime.steps + 1, regime.eval_interval)) | {regime.steps}
     for at in ([switch] if switch else []) + [stage_step(regime, f) for _, f in arm.stages]:
         eval_steps |= {at} | {at + d for d in JUMP_OFFSETS if at + d <= regime.steps}
@@ -439,6 +465,7 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
         "arm": arm.name, "seed": seed, "switch_step": switch, "parameters": params, "transition": transition,
         "phases": phases, "compute_s": compute_s, "optimizer_s": optimizer_s, "step_s": step_s,
         "train_loss": train_loss, "eval_steps": [s for s, _ in evals], "val_loss": [v for _, v in evals],
+        "val_before_transition": before_transition.evaluated,
         "offload": offload,
     }
 
@@ -484,13 +511,17 @@ def offload_step_costs(regime: Regime, runs: Sequence[Dict], step_cost: Dict[str
 
 # ---- the analysis ----------------------------------------------------------------------------------------------
 def loss_jump(run: Dict) -> Optional[float]:
-    """Highest validation loss in the 20 steps after the switch minus the loss at the switch (>0: it went up)."""
+    """Highest validation loss in the 20 steps after the switch minus the loss of the model the switch replaced
+    (>0: it went up). That model is evaluated as the transition is decided (``val_before_transition``): a delink
+    leaves the loss as it was, but a growth or a delink with noise does not, so the loss after the switch step
+    is not the one before it. Runs stored without it are measured from the loss after the switch step."""
     s = run["switch_step"]
     if s is None:
         return None
     at = dict(zip(run["eval_steps"], run["val_loss"]))
+    before = dict(run.get("val_before_transition", [])).get(s, at.get(s))
     after = [at[s + d] for d in JUMP_OFFSETS if s + d in at]
-    return max(after) - at[s] if after and s in at else None
+    return max(after) - before if after and before is not None else None
 
 
 def steps_in_real_steps(steps: Optional[float], switch: int, pseudo_cost: float) -> Optional[float]:

@@ -83,7 +83,8 @@ def test_select_arms_keeps_the_regime_order_and_requires_scratch():
 
 def test_the_gpu_checks_convergence_arms_are_arms_of_the_regime_with_their_control():
     """A misspelt arm in benchmarks/gpu/check.sh would cost a device session its convergence part: every arm it
-    names is one of the memory-bound regime's, and its pseudo-to-real arm has its same-schedule scratch beside it."""
+    names is one of the memory-bound regime's, and each of its pseudo-to-real and growth arms has its same-schedule
+    scratch beside it."""
     import re
 
     script = (REPO / "benchmarks" / "gpu" / "check.sh").read_text()
@@ -91,8 +92,9 @@ def test_the_gpu_checks_convergence_arms_are_arms_of_the_regime_with_their_contr
     arms = convergence.memory_bound_arms(8, quick=False)
     chosen = convergence.select_arms(arms, names)
     regime = convergence.Regime("t", 8, 8, 2, 4, 1, 160, 2e-3, 1, 1, 1, chosen)
-    shared = [a for a in chosen if a.kind == "pseudo_to_real"]
-    assert shared and all(convergence.same_schedule_scratch(regime, a) in chosen for a in shared)
+    staged = [a for a in chosen if a.kind in ("pseudo_to_real", "stacking")]
+    assert {a.kind for a in staged} == {"pseudo_to_real", "stacking"}
+    assert all(convergence.same_schedule_scratch(regime, a) in chosen for a in staged)
 
 
 def _run(arm, seed, evals, phases, step_s, switch=None):
@@ -128,6 +130,34 @@ def test_analysis_of_synthetic_runs():
     assert by["scratch"]["cost_val_at_scratch_time"]["mean"] == pytest.approx(1.0)
     assert p2r["loss_jump"]["mean"] == pytest.approx(-0.2)  # highest val in the steps after the switch - val at it
     assert by["scratch"]["steps_to_target_ratio_to_scratch"]["mean"] == pytest.approx(1.0)
+
+
+def test_the_jump_at_a_switch_is_measured_from_the_model_the_switch_replaced():
+    """A growth changes the model inside the switch step, so the loss evaluated after that step is already the grown
+    model's: the jump is measured from the loss evaluated as the transition was decided (1.8), not from it (2.2)."""
+    run = _run("stack", 0, [(0, 3.0), (1, 2.2), (2, 2.5), (3, 2.0)], ["shallow1", "real", "real"], [1.0] * 3,
+               switch=1)
+    assert convergence.loss_jump(run) == pytest.approx(0.3)  # a run stored without the loss before the switch
+    run["val_before_transition"] = [[1, 1.8]]
+    assert convergence.loss_jump(run) == pytest.approx(0.7)
+
+
+def test_runs_evaluate_the_model_a_transition_replaces():
+    """A delink leaves the loss as it was, bit for bit (fp32): the model evaluated as it is decided scores what the
+    real model scores right after the switch step. A growth does not: the shallow model scores otherwise."""
+    common.init_single_process()
+    from ds_pseudo_real.data import ByteCorpus
+
+    corpus = ByteCorpus(max_bytes=1 << 18)
+    regime = convergence.Regime("t", 2, 16, 2, 8, 2, 6, 1e-2, 2, 3, 1, [])
+    delinked = convergence.run_arm(regime, convergence.Arm("p2r", "pseudo_to_real", 0.34), 0, corpus, verbose=False)
+    grown = convergence.run_arm(regime, convergence.Arm("stack 1->2", "stacking", 0.34, stack_depth=1), 0, corpus,
+                                verbose=False)
+    for run in (delinked, grown):
+        assert run["switch_step"] == 2 and [s for s, _ in run["val_before_transition"]] == [2]
+    after = {r["arm"]: dict(zip(r["eval_steps"], r["val_loss"]))[2] for r in (delinked, grown)}
+    assert delinked["val_before_transition"][0][1] == after["p2r"]
+    assert grown["val_before_transition"][0][1] != after["stack 1->2"]
 
 
 def test_an_arm_on_a_longer_schedule_is_also_compared_with_scratch_on_that_schedule():

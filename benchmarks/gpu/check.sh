@@ -16,9 +16,10 @@
 #      moments written (the memory left unfilled is NaN), the device's peak bytes during the delink and after it; on CUDA, the delink of a 1.0B GPT against one copy of its parameters (benchmarks/overhead.py), and
 #      DeepSpeed's ZeRO-3 NVMe optimizer offload against its cpu offload (benchmarks/nvme_offload.py) where libaio is.
 #   4. (only when CHECK_PARTS names it) convergence: the memory-bound regime of benchmarks/convergence.py trained on
-#      the device with real offload, 8 seeds (SEEDS), scratch, and a pseudo phase as long as scratch's run (at half
-#      the LR, the real model at twice it) with scratch on that schedule at both LRs, where a pseudo step (all on the
-#      device) is far cheaper than an offloaded real one: the GPU wall clock to scratch's final loss per seed
+#      the device with real offload, 8 seeds (SEEDS), scratch, a pseudo phase as long as scratch's run (at half the
+#      LR, the real model at twice it) and a 2-layer model grown to 8 layers on a 300 % schedule, with scratch on
+#      those schedules, where a pseudo or shallow step (all on the device) is far cheaper than an offloaded real
+#      one: the GPU wall clock to scratch's final loss per seed
 #      (gpu_wall_to_target_ratio_to_scratch, and against the same-schedule scratch), within what is left of
 #      CHECK_SECONDS.
 # CHECK_PARTS (default "offload,delink") picks parts 1-2 (offload), 3 (delink) and 4 (convergence); e.g.
@@ -122,7 +123,7 @@ fi
 if want convergence; then
   # every run is written as it ends: a run cut short by the deadline keeps its finished seeds (--reanalyse reads them)
   step 600 convergence "$PY" benchmarks/convergence.py --regime memory_bound --seeds "${SEEDS:-8}" --threads 8 \
-    --arms "scratch,scratch budget 200%,scratch budget 200% lr x2,p2r@50% scale budget 200% lr x2 pseudo x0.25 rewarmup 10" \
+    --arms "scratch,scratch budget 200% lr x2,scratch budget 300%,p2r@50% scale budget 200% lr x2 pseudo x0.25 rewarmup 10,stack 2->8 @67% budget 300%" \
     --tag _gpu --out "$OUT"
 fi
 echo "gpu check finished with status $status"
