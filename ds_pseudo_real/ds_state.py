@@ -301,9 +301,14 @@ def full_moments(engine, param: torch.nn.Parameter, name: str = "", device: Opti
 
 
 def step_counters(engine) -> Dict[str, Any]:
-    """The optimizer's step counters, in whatever form its class keeps them (per state entry and/or per group)."""
+    """The optimizer's step counters, in whatever form its class keeps them (per state entry and/or per group).
+
+    ``state_step`` is the highest count among the state entries: torch's Adam/AdamW and DeepSpeed's CPU Adam count in
+    every entry alike, but DeepSpeed's FusedAdam counts only in the entry of the last parameter of each group it steps
+    (the others keep the count they were created with) and steps the whole group with that count."""
     optimizer = basic_optimizer(engine)
-    state_step = next((s["step"] for s in optimizer.state.values() if "step" in s), None)
+    steps = [s["step"] for s in optimizer.state.values() if "step" in s]
+    state_step = max(steps, key=float) if steps else None
     return {
         "state_step": copy.deepcopy(state_step),
         "group_steps": [copy.deepcopy(g.get("step")) for g in optimizer.param_groups],

@@ -29,6 +29,20 @@ def test_delink_reset_policy_starts_fresh_moments():
     assert result["moments_ok"] and result["adam_step"] is None
 
 
+@pytest.mark.parametrize("policy", ["copy", "scale"])
+def test_delink_continues_the_step_count_of_deepspeeds_fused_adam(policy):
+    """DeepSpeed's FusedAdam (its "AdamW" without ``torch_adam``) counts steps in the state of the last parameter of
+    each group it steps. At ZeRO 0 it steps the model's parameters one by one, so the first state's count says 0:
+    read from there, the real model's first step ran with step-1 bias correction on the carried moments. The run
+    must train as under ZeRO 1, where one flat tensor per group holds the count: the same losses, bit for bit."""
+    zero0, zero1 = (delink_matrix.run_case(stage, "fp32", policy, torch_adam=False) for stage in (0, 1))
+    assert zero0["optimizer"] == zero1["optimizer"] == "FusedAdam"
+    assert zero0["pseudo_adam_step"] == zero1["pseudo_adam_step"] == delink_matrix.SWITCH
+    check(zero0)
+    check(zero1)
+    assert zero0["losses"] == zero1["losses"]
+
+
 def test_delink_two_ranks():
     """Each rank holds part of every flat partition: the moments the delink leaves unfilled (NaN here) are written
     or zeroed on both, partition boundaries and the last rank's padding included."""

@@ -18,11 +18,12 @@ SWITCH = 3
 PROBE = "layers.{}.fc.weight"
 
 
-def config(stage, dtype, policy, switch=SWITCH):
+def config(stage, dtype, policy, switch=SWITCH, torch_adam=True):
+    """``torch_adam`` False: DeepSpeed's own choice for "AdamW" (its FusedAdam, on the CPU accelerator too)."""
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": torch_adam}},
         "zero_optimization": {"stage": stage},
         "pseudo_to_real": {"layers": "layers", "groups": 1, "switch": {"at_step": switch}, "optimizer_state": policy},
     }
@@ -111,12 +112,13 @@ def masters_carried(engine, pseudo_masters):
                                pseudo_masters[engine._source_name(name, old, new)[0]])]
 
 
-def run_case(stage, dtype, policy):
+def run_case(stage, dtype, policy, torch_adam=True):
     rank = dist.get_rank() if dist.is_initialized() else 0
     probe = fixed_batch(99)
     ref = [None]
     before = BeforeDelink(ref, probe, masters=True)
-    engine, *_ = ds_pseudo_real.initialize(model=odd_gpt(), config=config(stage, dtype, policy), callbacks=[before])
+    engine, *_ = ds_pseudo_real.initialize(model=odd_gpt(), config=config(stage, dtype, policy, torch_adam=torch_adam),
+                                            callbacks=[before])
     ref[0] = engine
     train = on_device(engine, fixed_batch(1 + rank))
     losses = []
@@ -146,6 +148,7 @@ def run_case(stage, dtype, policy):
         "stage": stage, "dtype": dtype, "policy": policy, "pre": before.seen["loss"], "post": post,
         "moments_ok": moments_ok, "moments_written": moments_written, "masters_differ": masters_differ, "adam_step": None if step is None else float(step), "pseudo_adam_step": before.seen["adam_step"],
         "global_steps": engine.global_steps, "final_stage": engine.stage, "losses": losses,
+        "optimizer": type(ds_state.basic_optimizer(engine.engine)).__name__,
         "params_after": ds_pseudo_real.controller.parameter_numel(engine.module),
         # where the real model's parameters (this rank's ZeRO-3 partitions) are, and where the engine trains
         "devices": sorted({getattr(p, "ds_tensor", p).device.type for p in engine.module.parameters()}),
