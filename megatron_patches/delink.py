@@ -71,12 +71,28 @@ def zero_lr(torch_optimizer: torch.optim.Optimizer):
             group["lr"] = lr
 
 
+def _group_step(group: Dict) -> Optional[torch.Tensor]:
+    """The step count a param group keeps (Transformer Engine's and apex's FusedAdam count there, not per parameter)."""
+    return torch.tensor(float(group["step"])) if "step" in group else None
+
+
+def _set_group_step(group: Dict, step: torch.Tensor) -> None:
+    """Set a group's count in the form the optimizer keeps it: an int, or a tensor (TE's capturable FusedAdam)."""
+    count = int(step.item())
+    current = group.get("step")
+    group["step"] = current.new_full(current.shape, count) if torch.is_tensor(current) else count
+
+
 class _AdamState:
     """Full (unsharded) Adam moments and fp32 master of one model parameter, read from / written to a Megatron
     optimizer. ``read`` returns ``exp_avg``, ``exp_avg_sq``, ``step`` (those the optimizer has) and ``main``
-    (the fp32 master: more precise than the bf16/fp16 weights the real model is loaded from)."""
+    (the fp32 master: more precise than the bf16/fp16 weights the real model is loaded from). The step count is
+    read from the parameter's state (torch's Adam/AdamW) or, where the optimizer keeps none there, from its param
+    group (Transformer Engine's and apex's FusedAdam, Megatron's Adam on a GPU machine); ``step_in_group`` says
+    which, and ``write`` puts it back there."""
 
     def __init__(self, inner):
+        self.groups = {id(p): group for group in inner.optimizer.param_groups for p in group["params"]}
         if isinstance(inner, DistributedOptimizer):
             self.inner, self.main = inner, None
             return
@@ -105,10 +121,15 @@ class _AdamState:
         if self.main is not None:
             main = self.main[id(param)]
             state = self.inner.optimizer.state.get(main, {})
-            return {"main": main.detach().clone(),
-                    **{k: state[k].detach().clone() for k in (*MOMENTS, "step") if k in state}}
+            out = {"main": main.detach().clone(), **{k: state[k].detach().clone() for k in MOMENTS if k in state}}
+            if "step" in state:
+                out["step"] = state["step"].detach().clone()
+            elif "exp_avg" in state and _group_step(self.groups[id(main)]) is not None:
+                out.update(step=_group_step(self.groups[id(main)]), step_in_group=True)
+            return out
         full = {k: torch.zeros(param.numel(), dtype=torch.float32) for k in ("main", *MOMENTS)}  # shards summed in
         step = torch.zeros((), dtype=torch.float32)
+        in_group = torch.zeros((), dtype=torch.float32)
         if param in self.inner.model_param_group_index_map:
             shard = self.inner._get_main_param_and_optimizer_states(param)
             where = self.inner._get_model_param_range_map(param)["param"]
@@ -117,10 +138,15 @@ class _AdamState:
                     full[k][where.start:where.end] = shard[source].detach().float().view(-1)
             if "step" in shard:
                 step = shard["step"].detach().float().clone()
+            else:
+                group = self.inner.optimizer.param_groups[self.inner.model_param_group_index_map[param][0]]
+                if "step" in group:
+                    step, in_group = _group_step(group), torch.ones(())
         for tensor in full.values():
             dist.all_reduce(tensor, group=self.inner.data_parallel_group)
-        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.inner.data_parallel_group)
-        return {**{k: v.view(param.shape) for k, v in full.items()}, "step": step}
+        for tensor in (step, in_group):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.inner.data_parallel_group)
+        return {**{k: v.view(param.shape) for k, v in full.items()}, "step": step, "step_in_group": bool(in_group)}
 
     def prepare_write(self) -> None:
         """A DistributedOptimizer only has state tensors to write into after a step: take one that changes nothing.
@@ -131,22 +157,32 @@ class _AdamState:
 
     @torch.no_grad()
     def write(self, param: torch.nn.Parameter, main: torch.Tensor, moments: Optional[Dict[str, torch.Tensor]],
-              step: Optional[torch.Tensor]) -> None:
-        """Set the fp32 master to ``main`` and, unless ``moments`` is None (reset), Adam's moments and step."""
+              step: Optional[torch.Tensor], step_in_group: bool = False) -> None:
+        """Set the fp32 master to ``main`` and, unless ``moments`` is None (reset), Adam's moments and step (in the
+        parameter's state, or in its param group when ``step_in_group``)."""
         if self.main is not None:
             target = self.main[id(param)]
             if target is not param:
                 target.copy_(main)
             if moments is not None:
-                self.inner.optimizer.state[target] = {"step": step.clone(), **{k: moments[k].clone() for k in MOMENTS}}
+                state = {k: moments[k].clone() for k in MOMENTS}
+                if step_in_group:
+                    _set_group_step(self.groups[id(target)], step)
+                else:
+                    state["step"] = step.clone()
+                self.inner.optimizer.state[target] = state
             return
         if param not in self.inner.model_param_group_index_map:
             return
         where = self.inner._get_model_param_range_map(param)["param"]
         tensors = {"param": main.reshape(-1)[where.start:where.end]}
         if moments is not None:
-            current = self.inner._get_main_param_and_optimizer_states(param)
-            tensors["step"] = step.to(current["step"].dtype)
+            if step_in_group:
+                _set_group_step(self.inner.optimizer.param_groups[self.inner.model_param_group_index_map[param][0]],
+                                step)
+            else:
+                current = self.inner._get_main_param_and_optimizer_states(param)
+                tensors["step"] = step.to(current["step"].dtype)
             for k in MOMENTS:
                 tensors[k] = moments[k].reshape(-1)[where.start:where.end]
         self.inner._set_main_param_and_optimizer_states(param, tensors)
@@ -210,7 +246,7 @@ def delink_in_process(
             if not carry or "exp_avg" not in state:  # reset, or a parameter Adam has not stepped yet
                 return state["main"], None, None
             moments = member_moments(policy, {k: state[k] for k in MOMENTS}, uses[id(shared)])
-            return state["main"], moments, state["step"]
+            return state["main"], moments, state["step"], state.get("step_in_group", False)
 
         _write_states(chunk.module, new_optimizer, source, moments=carry)
     for old, new in zip(_inner_optimizers(optimizer), _inner_optimizers(new_optimizer)):

@@ -23,7 +23,8 @@ SCENARIOS = {"dp2-copy-distopt": "1:copy:1", "dp2-copy-plain": "1:copy:0", "dp2-
              "dp2-ep2-moe-noswitch": "1:copy:1:moe:ep2:noswitch",
              "tp1-moe-copy": "1:copy:1:moe:samedata", "tp2-sp-etp2-moe-copy": "2:copy:1:moe:samedata",
              "tp1-ep2-moe-drop-copy": "1:copy:1:moe:ep2:drop:samedata",
-             "tp2-sp-ep2-moe-drop-copy": "2:copy:1:moe:ep2:drop:samedata"}
+             "tp2-sp-ep2-moe-drop-copy": "2:copy:1:moe:ep2:drop:samedata",
+             "dp2-copy-distopt-groupstep": "1:copy:1:groupstep", "dp2-copy-bf16-groupstep": "1:copy:0:bf16:groupstep"}
 SWITCHED = [name for name in SCENARIOS if not name.endswith("noswitch")]
 
 
@@ -54,6 +55,17 @@ def test_dp2_copy_distributed_optimizer_and_plain_agree(runs):
     assert dist_opt["losses"][4] < dist_opt["losses"][3]
     assert reset["losses"][:4] == plain["losses"][:4]
     assert reset["losses"][4] > reset["losses"][3] > plain["losses"][4]
+
+
+@pytest.mark.parametrize("name", ["dp2-copy-distopt", "dp2-copy-bf16"])
+def test_delink_carries_a_step_count_kept_in_the_param_groups(runs, name):
+    """Where Transformer Engine or apex is installed (a GPU machine), Megatron's Adam is their FusedAdam, which keeps
+    the step count in each param group. The delink must carry it from there: the same run with an optimizer that
+    does so (torch's AdamW arithmetic, the count in the groups) trains exactly as with torch's AdamW."""
+    torch_count, group_count = runs[name], runs[name + "-groupstep"]
+    assert group_count["torch_optimizer"] == "GroupStepAdamW" and torch_count["torch_optimizer"] == "AdamW"
+    assert group_count["losses"] == torch_count["losses"]
+    assert group_count["final_eval"] == torch_count["final_eval"]
 
 
 def test_tp2_scale_distributed_optimizer(runs):

@@ -12,6 +12,8 @@ Usage: delink_worker.py OUT.json SCENARIO... with SCENARIO = TP:POLICY:DISTOPT[:
   noswitch  the pseudo model trains on: the control run
   samedata  every data-parallel rank gets the same batch (TP=1 x DP=2 and TP=2 x DP=1 see the same data)
   lrX       learning rate X instead of the default below
+  groupstep Megatron's optimizer as built where Transformer Engine or apex is installed (their FusedAdam, which
+            counts steps in each param group, not in the parameters' state): torch's AdamW with that bookkeeping
 """
 import os
 import sys
@@ -49,6 +51,35 @@ def category(name: str) -> str:
     return "outside_layers"
 
 
+class GroupStepAdamW(torch.optim.AdamW):
+    """torch's AdamW (the same arithmetic) keeping its step count where Transformer Engine's and apex's FusedAdam,
+    which a GPU machine has and this one cannot build, keep theirs: ``group["step"]``, an int, counted once per
+    ``step()``; the parameters' state holds only the moments. Built as Megatron builds those, with ``adam_w_mode``."""
+
+    def __init__(self, params, adam_w_mode=True, **kwargs):
+        assert adam_w_mode, "Megatron's default, decoupled weight decay"
+        super().__init__(params, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                if self.state[p]:  # torch's AdamW counts on from the state: give it the group's count
+                    self.state[p]["step"] = torch.tensor(float(group["step"] - 1))
+        loss = super().step(closure)
+        for state in self.state.values():
+            state.pop("step", None)
+        return loss
+
+
+def use_group_step_adam():
+    """Make ``get_megatron_optimizer`` build :class:`GroupStepAdamW` where it would build TE's/apex's FusedAdam."""
+    import megatron.core.optimizer as mco
+
+    mco.Adam, mco.USING_PYTORCH_OPTIMIZER = GroupStepAdamW, False
+
+
 def run_scenario(tp, policy, distopt, *flags):
     tp, distopt, flags = int(tp), distopt == "1", set(flags)
     moe, bf16, fp16 = "moe" in flags, "bf16" in flags, "fp16" in flags
@@ -58,6 +89,11 @@ def run_scenario(tp, policy, distopt, *flags):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    import megatron.core.optimizer as mco
+
+    torch_adam = (mco.Adam, mco.USING_PYTORCH_OPTIMIZER)
+    if "groupstep" in flags:
+        use_group_step_adam()
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
@@ -130,6 +166,7 @@ def run_scenario(tp, policy, distopt, *flags):
         if step == SWITCH:
             result["first_update_norm"] = update_norms(gpt(chunks[0]), before)
         losses.append(mean_loss(reports))
+    mco.Adam, mco.USING_PYTORCH_OPTIMIZER = torch_adam
     real = gpt(chunks[0])
     probe = real.get_parameter(QKV.format(1)).detach().float().clone()
     group = parallel_state.get_data_parallel_group()
@@ -142,7 +179,9 @@ def run_scenario(tp, policy, distopt, *flags):
                    "layers_differ": not torch.equal(real.get_parameter(QKV.format(0)).float(), probe),
                    "dp_in_sync": bool(torch.allclose(synced / group.size(), probe, atol=1e-6)),
                    "optimizer": type(optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers")
-                                     else optimizer).__name__})
+                                     else optimizer).__name__,
+                   "torch_optimizer": type(getattr(optimizer.chained_optimizers[0] if hasattr(
+                       optimizer, "chained_optimizers") else optimizer, "optimizer", None)).__name__})
     return result
 
 
