@@ -22,6 +22,7 @@ from .gpt import GPT, GPTConfig
 
 MODEL_SECTIONS = ("gpt", "m6", "hf")
 GPT_KEYS = ("n_layer", "d_model", "n_head", "seq_len", "mlp_ratio")
+CHECKPOINT_KEY = "checkpoint_activations"  # in every model section: recompute each layer in the backward
 M6_RUN_KEYS = {"expert_parallel": None, "capacity_factor": 1.25, "balance_coeff": 0.01}
 # Where the layer list of a Hugging Face causal LM lives, by config.model_type (inside the wrapper: "model.").
 HF_LAYER_LISTS = {"gpt2": "transformer.h", "llama": "model.layers", "gpt_neox": "gpt_neox.layers"}
@@ -40,7 +41,8 @@ class ModelSpec:
     options: Dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
-        extra = ", ".join(f"{k} {v}" for k, v in self.options.items() if k not in ("arch", "hf_config"))
+        extra = ", ".join(f"{k} {v}" for k, v in self.options.items()
+                          if k not in ("arch", "hf_config") and not (k == CHECKPOINT_KEY and not v))
         return f"{self.kind} model, {self.num_layers} layers, sequence {self.seq_len}, vocabulary {self.vocab_size}" + (
             f", {extra}" if extra else "")
 
@@ -56,15 +58,42 @@ def model_spec(ds_config: Mapping[str, Any], flags: Mapping[str, Optional[int]],
     section = ds_config.get(kind) or {}
     if not isinstance(section, Mapping):
         raise ConfigError(f"invalid config:\n  {kind}: expected an object, got {section!r}")
-    spec = {"gpt": _gpt_spec, "m6": _m6_spec, "hf": _hf_spec}[kind](dict(section), flags, vocab_size, world_size)
+    section = dict(section)
+    checkpoint = section.pop(CHECKPOINT_KEY, False)
+    if not isinstance(checkpoint, bool):
+        raise ConfigError(f"{kind}.{CHECKPOINT_KEY}: got {checkpoint!r}; expected true or false")
+    _check_activation_checkpointing(ds_config, kind, checkpoint)
+    spec = {"gpt": _gpt_spec, "m6": _m6_spec, "hf": _hf_spec}[kind](section, flags, vocab_size, world_size)
+    spec.options[CHECKPOINT_KEY] = checkpoint
     sharing_groups(spec.num_layers, groups)
     return spec
+
+
+def _check_activation_checkpointing(ds_config: Mapping[str, Any], kind: str, checkpoint: bool) -> None:
+    """The main job recomputes activations when the model section says so; refuse the settings that would
+    otherwise be silently ignored or would plan for other activations than the job keeps."""
+    if "activation_checkpointing" in ds_config:
+        raise ConfigError(
+            f"activation_checkpointing: the main job's models do not call DeepSpeed's activation checkpointing (its "
+            f"reentrant recompute fires a shared parameter's gradient hook once per layer, which ZeRO 2/3 refuse), "
+            f"so this section would change nothing; to recompute each layer in the backward set "
+            f"\"{kind}\": {{\"{CHECKPOINT_KEY}\": true}} and remove the section")
+    offload = ds_config.get("granular_offload")
+    activations = offload.get("activations") if isinstance(offload, Mapping) else None
+    if isinstance(activations, Mapping):
+        planned = bool(activations.get("checkpointing", False))
+        if planned != checkpoint:
+            raise ConfigError(
+                f"granular_offload.activations.checkpointing is {str(planned).lower()} but {kind}.{CHECKPOINT_KEY} is "
+                f"{str(checkpoint).lower()}: the plan would count the activations of a model that "
+                f"{'recomputes' if planned else 'keeps'} them, and this one "
+                f"{'recomputes' if checkpoint else 'keeps'} them; make the two agree")
 
 
 def _gpt_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -> ModelSpec:
     unknown = sorted(set(section) - set(GPT_KEYS))
     if unknown:
-        raise ConfigError(f"gpt: unknown key(s) {unknown}; accepted: {list(GPT_KEYS)}")
+        raise ConfigError(f"gpt: unknown key(s) {unknown}; accepted: {[*GPT_KEYS, CHECKPOINT_KEY]}")
     values = {"n_layer": 8, "d_model": 128, "n_head": 4, "seq_len": DEFAULT_SEQ_LEN, "mlp_ratio": 4}
     values.update(section)
     values.update({k: v for k, v in flags.items() if v is not None and k in values})
@@ -103,7 +132,8 @@ def _hf_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -
     unknown = sorted(set(section) - {"config", "layers"})
     if unknown or "config" not in section:
         raise ConfigError(f"hf: got keys {sorted(section)}; expected 'config' (a dict for transformers.AutoConfig."
-                          f"for_model, with model_type, or a local folder) and optional 'layers'")
+                          f"for_model, with model_type, or a local folder) and optional 'layers' and "
+                          f"'{CHECKPOINT_KEY}'")
     try:
         import transformers
     except ImportError:
@@ -152,15 +182,20 @@ def build_model(spec: ModelSpec, seed: int = 0) -> nn.Module:
     if spec.kind == "gpt":
         o = spec.options
         return GPT(GPTConfig(vocab_size=spec.vocab_size, seq_len=spec.seq_len, n_layer=o["n_layer"],
-                             d_model=o["d_model"], n_head=o["n_head"], mlp_ratio=o["mlp_ratio"]))
+                             d_model=o["d_model"], n_head=o["n_head"], mlp_ratio=o["mlp_ratio"],
+                             checkpoint_activations=o[CHECKPOINT_KEY]))
     if spec.kind == "m6":
         from .m6 import M6GPT
 
         o = spec.options
         arch: M6Architecture = o["arch"]
         return M6GPT(dataclasses.replace(arch, seq_length=spec.seq_len), ep_size=o["expert_parallel"],
-                     capacity_factor=o["capacity_factor"], balance_coeff=o["balance_coeff"], seed=seed)
-    return HFCausalLM(spec.options["hf_config"])
+                     capacity_factor=o["capacity_factor"], balance_coeff=o["balance_coeff"], seed=seed,
+                     checkpoint_activations=o[CHECKPOINT_KEY])
+    model = HFCausalLM(spec.options["hf_config"])
+    if spec.options[CHECKPOINT_KEY]:  # the same recompute, through transformers' own switch
+        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def parameter_groups(spec: ModelSpec) -> Optional[Callable[[nn.Module], List[Dict]]]:

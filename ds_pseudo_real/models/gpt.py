@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -21,6 +22,18 @@ class GPTConfig:
     n_head: int = 4
     mlp_ratio: int = 4
     bias: bool = True  # of the attention's linear layers
+    checkpoint_activations: bool = False  # recompute each layer in the backward (see call_layer)
+
+
+def call_layer(layer: nn.Module, x: torch.Tensor, checkpoint: bool):
+    """``layer(x)``. With ``checkpoint`` (while autograd records) the layer keeps only its input for the backward
+    and runs its forward again there: torch's non-reentrant checkpoint, which computes the same values and gradients
+    bit for bit and works for layers that share parameters under every ZeRO stage (a reentrant one, DeepSpeed's
+    included, fires a shared parameter's gradient hook once per layer, which ZeRO 2/3 refuse). The random state is
+    restored for the recompute. The layer is called as a module, so hooks on it (granular offload's) see both runs."""
+    if checkpoint and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    return layer(x)
 
 
 class CausalSelfAttention(nn.Module):
@@ -78,7 +91,7 @@ class GPT(nn.Module):
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(positions)
         for layer in self.layers:
-            x = layer(x)
+            x = call_layer(layer, x, self.cfg.checkpoint_activations)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits

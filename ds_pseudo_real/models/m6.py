@@ -7,7 +7,7 @@ the word embedding, and the optimizer groups DeepSpeed's MoE needs. The routing 
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from torch import nn
 
 from ..moe.architecture import M6Architecture
 from ..moe.deepspeed_layer import ExpertPrototypingMoE
-from .gpt import CausalSelfAttention, GPTConfig
+from .gpt import CausalSelfAttention, GPTConfig, call_layer
 
 
 def _expert_generator(seed: int, layer: int, expert: int) -> torch.Generator:
@@ -35,12 +35,12 @@ class M6Block(nn.Module):
                                nn.Linear(arch.expert_ffn_size, h, bias=False))
         self.moe = ExpertPrototypingMoE(h, expert, num_experts=arch.num_experts, num_prototypes=arch.num_prototypes,
                                         ep_size=ep_size, capacity_factor=capacity_factor)
-        self.balance_loss: Optional[torch.Tensor] = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The block's output and its load-balancing loss (returned, not kept on the module: a recompute in the
+        backward would otherwise leave a tensor holding its graph there until the next forward)."""
         x = x + self.attn(self.ln1(x))
-        out, self.balance_loss, _ = self.moe(self.ln2(x))
-        return x + out
+        out, balance_loss, _ = self.moe(self.ln2(x))
+        return x + out, balance_loss
 
 
 class M6GPT(nn.Module):
@@ -52,9 +52,10 @@ class M6GPT(nn.Module):
     """
 
     def __init__(self, arch: M6Architecture, ep_size: int = 1, capacity_factor: float = 1.25,
-                 balance_coeff: float = 0.01, seed: int = 0):
+                 balance_coeff: float = 0.01, seed: int = 0, checkpoint_activations: bool = False):
         super().__init__()
         self.arch, self.ep_size, self.balance_coeff = arch, ep_size, balance_coeff
+        self.checkpoint_activations = checkpoint_activations
         self.tok_emb = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.pos_emb = nn.Embedding(arch.seq_length, arch.hidden_size)
         self.layers = nn.ModuleList(M6Block(arch, ep_size, capacity_factor) for _ in range(arch.num_layers))
@@ -85,15 +86,17 @@ class M6GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(positions)
+        balance = []
         for layer in self.layers:
-            x = layer(x)
+            x, balance_loss = call_layer(layer, x, self.checkpoint_activations)
+            balance.append(balance_loss)
         logits = F.linear(self.ln_f(x), self.tok_emb.weight)
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         if not self.training or not self.balance_coeff:
             return loss
-        return loss + self.balance_coeff * torch.stack([layer.balance_loss for layer in self.layers]).mean()
+        return loss + self.balance_coeff * torch.stack(balance).mean()
 
 
 def is_expert(param: nn.Parameter) -> bool:

@@ -105,9 +105,14 @@ def architecture_from_dict(raw: Mapping[str, Any]) -> M6Architecture:
     return M6Architecture(**raw)
 
 
+# Keys of the "m6" section that set how the main job runs the model, not its shape or parameter counts.
+TRAINING_KEYS = ("capacity_factor", "balance_coeff", "checkpoint_activations")
+
+
 def parse_m6_section(raw: Mapping[str, Any]) -> Tuple[M6Architecture, int]:
-    """The ``"m6"`` section of a config: the architecture and ``expert_parallel`` (ranks the experts spread over)."""
-    raw = dict(raw)
+    """The ``"m6"`` section of a config: the architecture and ``expert_parallel`` (ranks the experts spread over);
+    the :data:`TRAINING_KEYS` are the main job's to check."""
+    raw = {key: value for key, value in raw.items() if key not in TRAINING_KEYS}
     expert_parallel = raw.pop("expert_parallel", 1)
     arch = architecture_from_dict(raw)
     if not isinstance(expert_parallel, int) or expert_parallel < 1 or arch.num_experts % expert_parallel:
