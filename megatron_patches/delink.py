@@ -92,7 +92,6 @@ class _AdamState:
     which, and ``write`` puts it back there."""
 
     def __init__(self, inner):
-        self.groups = {id(p): group for group in inner.optimizer.param_groups for p in group["params"]}
         if isinstance(inner, DistributedOptimizer):
             self.inner, self.main = inner, None
             return
@@ -110,6 +109,13 @@ class _AdamState:
                 f"DistributedOptimizer, Float16OptimizerWithFloat16Params (bf16/fp16) and FP32Optimizer"
             )
         self.inner = inner
+        self.groups = {id(p): group for group in inner.optimizer.param_groups for p in group["params"]}
+
+    def _group_of(self, param: torch.nn.Parameter) -> Dict:
+        """The torch optimizer's param group that steps ``param`` (its fp32 master, or this rank's shard of it)."""
+        if self.main is not None:
+            return self.groups[id(self.main[id(param)])]
+        return self.inner.optimizer.param_groups[self.inner.model_param_group_index_map[param][0]]
 
     def holds(self, param: torch.nn.Parameter) -> bool:
         if self.main is None:  # on every rank, whether or not it owns a shard of it
@@ -124,8 +130,8 @@ class _AdamState:
             out = {"main": main.detach().clone(), **{k: state[k].detach().clone() for k in MOMENTS if k in state}}
             if "step" in state:
                 out["step"] = state["step"].detach().clone()
-            elif "exp_avg" in state and _group_step(self.groups[id(main)]) is not None:
-                out.update(step=_group_step(self.groups[id(main)]), step_in_group=True)
+            elif "exp_avg" in state and "step" in self._group_of(param):
+                out.update(step=_group_step(self._group_of(param)), step_in_group=True)
             return out
         full = {k: torch.zeros(param.numel(), dtype=torch.float32) for k in ("main", *MOMENTS)}  # shards summed in
         step = torch.zeros((), dtype=torch.float32)
@@ -138,10 +144,8 @@ class _AdamState:
                     full[k][where.start:where.end] = shard[source].detach().float().view(-1)
             if "step" in shard:
                 step = shard["step"].detach().float().clone()
-            else:
-                group = self.inner.optimizer.param_groups[self.inner.model_param_group_index_map[param][0]]
-                if "step" in group:
-                    step, in_group = _group_step(group), torch.ones(())
+            elif "step" in self._group_of(param):
+                step, in_group = _group_step(self._group_of(param)), torch.ones(())
         for tensor in full.values():
             dist.all_reduce(tensor, group=self.inner.data_parallel_group)
         for tensor in (step, in_group):
@@ -167,7 +171,7 @@ class _AdamState:
             if moments is not None:
                 state = {k: moments[k].clone() for k in MOMENTS}
                 if step_in_group:
-                    _set_group_step(self.groups[id(target)], step)
+                    _set_group_step(self._group_of(param), step)
                 else:
                     state["step"] = step.clone()
                 self.inner.optimizer.state[target] = state
@@ -178,8 +182,7 @@ class _AdamState:
         tensors = {"param": main.reshape(-1)[where.start:where.end]}
         if moments is not None:
             if step_in_group:
-                _set_group_step(self.inner.optimizer.param_groups[self.inner.model_param_group_index_map[param][0]],
-                                step)
+                _set_group_step(self._group_of(param), step)
             else:
                 current = self.inner._get_main_param_and_optimizer_states(param)
                 tensors["step"] = step.to(current["step"].dtype)

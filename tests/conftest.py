@@ -43,6 +43,16 @@ def deepspeed_ops():
     yield
 
 
+def run_main_job(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
+    """``launch/train.py ARGS`` in one process (the job's own single-rank defaults); fail the test with the output
+    if it does not exit ``expect``."""
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == expect, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
 def run_two_ranks(script: Path, *args: str, timeout: float = 600, env_extra=None, ranks: int = 2
                   ) -> subprocess.CompletedProcess:
     """Run ``script`` on 2 (``ranks``) gloo ranks with torchrun; fail the test with the output if it exits non-zero."""

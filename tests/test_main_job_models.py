@@ -3,9 +3,6 @@ ranks with EP=2), a Hugging Face causal LM from a local config, with DeepSpeed's
 values stop it before any model is built, with one message."""
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +11,7 @@ import ds_pseudo_real
 from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.moe.architecture import M6_TINY, embedding_parameters, layer_parameters
 from ds_pseudo_real.report import read_records
-from conftest import REPO, free_port, run_two_ranks
+from conftest import REPO, run_main_job as run_job, run_two_ranks
 
 RUN = ["--eval-interval", "4", "--eval-batches", "2", "--log-interval", "4", "--corpus-bytes", str(1 << 20)]
 
@@ -29,14 +26,6 @@ def m6_config(tmp_path, steps=8, switch=4, **sections):
     path = tmp_path / "job.json"
     path.write_text(json.dumps(cfg))
     return path
-
-
-def run_job(*args, expect=0):
-    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), *args], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == expect, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc
 
 
 def m6_parameters(layers_held, ep=1):

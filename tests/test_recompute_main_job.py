@@ -5,9 +5,6 @@ settings that would otherwise be ignored (DeepSpeed's own ``activation_checkpoin
 for other activations than the job keeps stop the job naming the keys."""
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +15,7 @@ from ds_pseudo_real.models.build import model_spec
 from ds_pseudo_real.models.gpt import GPT, GPTConfig
 from ds_pseudo_real.moe.architecture import M6_TINY
 from ds_pseudo_real.report import read_records
-from conftest import REPO, free_port, run_two_ranks
+from conftest import REPO, run_main_job, run_two_ranks
 
 
 def measure(model, idx, targets):
@@ -44,10 +41,10 @@ def measure(model, idx, targets):
     return loss.item(), grads, calls, saved[0]
 
 
-def checkpointed_pair(build, attribute_owner):
+def checkpointed_pair(build, switch_on):
     plain, recomputing = build(), build()
     recomputing.load_state_dict(plain.state_dict())
-    attribute_owner(recomputing)
+    switch_on(recomputing)
     return plain, recomputing
 
 
@@ -107,10 +104,7 @@ def job_config(tmp_path, name, model_section, zero=2, steps=8, switch=4):
 
 
 def run_job(*args, expect=0):
-    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), *args], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == expect, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = run_main_job(*args, expect=expect)
     return proc.stdout + proc.stderr
 
 

@@ -30,7 +30,8 @@ def call_layer(layer: nn.Module, x: torch.Tensor, checkpoint: bool):
     and runs its forward again there: torch's non-reentrant checkpoint, which computes the same values and gradients
     bit for bit and works for layers that share parameters under every ZeRO stage (a reentrant one, DeepSpeed's
     included, fires a shared parameter's gradient hook once per layer, which ZeRO 2/3 refuse). The random state is
-    restored for the recompute. The layer is called as a module, so hooks on it (granular offload's) see both runs."""
+    restored for the recompute. The layer is called as a module, so its forward pre-hooks (granular offload's fetch)
+    run for the recompute too."""
     if checkpoint and torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
     return layer(x)

@@ -35,6 +35,7 @@ class M6Block(nn.Module):
                                nn.Linear(arch.expert_ffn_size, h, bias=False))
         self.moe = ExpertPrototypingMoE(h, expert, num_experts=arch.num_experts, num_prototypes=arch.num_prototypes,
                                         ep_size=ep_size, capacity_factor=capacity_factor)
+
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The block's output and its load-balancing loss (returned, not kept on the module: a recompute in the
         backward would otherwise leave a tensor holding its graph there until the next forward)."""
