@@ -6,6 +6,7 @@ tests/test_benchmarks.py). Must not change the plugin: benchmarks only call its 
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -71,10 +72,21 @@ def machine_description() -> Dict[str, object]:
 
 
 def write_json(path: Path, payload: Mapping) -> Path:
+    """``payload`` as JSON, gzipped when ``path`` ends in .gz."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+    text = json.dumps(payload, indent=1, sort_keys=False) + "\n"
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode(), mtime=0))  # mtime 0: the same payload gives the same bytes
+    else:
+        path.write_text(text)
     return path
+
+
+def read_json(path: Path) -> Dict:
+    """What ``write_json`` wrote to ``path``, gzipped or not."""
+    path = Path(path)
+    return json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
 
 
 # ---- timing ----------------------------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ host<->device bandwidth: where the device is the CPU, the measured step has the 
     python benchmarks/convergence.py --quick    # smoke run, ~3 min (2 seeds, fewer variants: not for conclusions)
     python benchmarks/convergence.py --regime memory_bound --seeds 16 --arms "scratch,p2r@10% scale,p2r@25% scale"
 
-Writes benchmarks/results/convergence_<regime>.json (after every run, so an interrupted run keeps what finished)
-and .png, and prints the tables.
+Writes benchmarks/results/convergence_<regime>.json.gz (gzipped JSON, after every run, so an interrupted run keeps
+what finished) and .png, and prints the tables.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.common import (  # noqa: E402
     RESULTS, cost_model_clock, cumulative, fmt, first_crossing, machine_description, markdown_table, median,
-    median_counting_missing, paired_differences, spread, value_at, write_json,
+    median_counting_missing, paired_differences, read_json, spread, value_at, write_json,
 )
 from ds_pseudo_real.callbacks import PSEUDO, TrainingCallback  # noqa: E402
 
@@ -801,11 +801,25 @@ def merge_stored(stored: Sequence[Dict], tags: Sequence[str]) -> Dict:
             "runs": list(runs.values())}
 
 
+def results_file(out_dir: Path, regime_name: str, tag: str) -> Path:
+    """Where a run of ``regime_name`` under ``tag`` is stored: gzipped JSON (per-step series are most of its bytes)."""
+    return out_dir / f"convergence_{regime_name}{tag}.json.gz"
+
+
+def read_stored(out_dir: Path, regime_name: str, tag: str) -> Dict:
+    """A stored run, from its gzipped file, or from the plain .json that runs stored before wrote."""
+    path = results_file(out_dir, regime_name, tag)
+    if not path.exists() and path.with_suffix("").exists():
+        path = path.with_suffix("")
+    return read_json(path)
+
+
 def run_regime(regime: Regime, seeds: Sequence[int], corpus, out_dir: Path, tag: str,
                runs: Optional[List[Dict]] = None, elapsed: float = 0.0, machine: Optional[Dict] = None,
                offload: Optional[Dict] = None) -> Dict:
     """Train every variant (unless ``runs`` are given, from an earlier results file), then analyse and plot."""
-    path = out_dir / f"convergence_{regime.name}{tag}.json"
+    path = results_file(out_dir, regime.name, tag)
+    plot_path = out_dir / f"convergence_{regime.name}{tag}.png"
     started = time.perf_counter() - elapsed
     machine = machine or machine_description()
     if runs is None:
@@ -850,8 +864,8 @@ def run_regime(regime: Regime, seeds: Sequence[int], corpus, out_dir: Path, tag:
         "summary": summary, "table_markdown": table, "runs": runs,
     }
     write_json(path, payload)
-    plot(regime, runs, {k: v for k, v in clocks.items()}, out_dir / f"convergence_{regime.name}{tag}.png")
-    print(f"wrote {path} and {path.with_suffix('.png')} ({payload['elapsed_s']:.0f}s)", flush=True)
+    plot(regime, runs, {k: v for k, v in clocks.items()}, plot_path)
+    print(f"wrote {path} and {plot_path} ({payload['elapsed_s']:.0f}s)", flush=True)
     return payload
 
 
@@ -887,7 +901,7 @@ def parse_args(argv=None):
     p.add_argument("--corpus-bytes", type=int, default=4 << 20)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--tag", default=None,
-                   help="suffix of the results files, convergence_<regime><tag>.json (default '', quick '_quick')")
+                   help="suffix of the results files, convergence_<regime><tag>.json.gz (default '', quick '_quick')")
     p.add_argument("--reanalyse", action="store_true",
                    help="no training: analyse and plot the runs stored in the results files again")
     p.add_argument("--merge", default=None,
@@ -908,13 +922,11 @@ def main(argv=None) -> int:
     corpus = None if args.reanalyse else ByteCorpus(max_bytes=args.corpus_bytes)
     for regime in regimes(args):
         if args.reanalyse:
-            import json
-
             if args.merge:
-                stored = merge_stored([json.loads((args.out / f"convergence_{regime.name}{t}.json").read_text())
-                                       for t in args.merge.split(",")], args.merge.split(","))
+                stored = merge_stored([read_stored(args.out, regime.name, t) for t in args.merge.split(",")],
+                                      args.merge.split(","))
             else:
-                stored = json.loads((args.out / f"convergence_{regime.name}{tag}.json").read_text())
+                stored = read_stored(args.out, regime.name, tag)
             stored_regime = dict(stored["regime"], arms=[Arm(**a) for a in stored["regime"]["arms"]])
             complete = [r for r in stored["runs"] if r["seed"] in stored["seeds"]]
             run_regime(Regime(**stored_regime), stored["seeds"], None, args.out, tag, complete,
