@@ -25,6 +25,7 @@ import ds_pseudo_real
 from ds_pseudo_real.checkpoint import CheckpointError
 from ds_pseudo_real.config import SECTION, ConfigError, check_top_level_keys, load_ds_config, parse_pseudo_to_real
 from ds_pseudo_real.data import BYTE_VOCAB, build_corpus, indexed_vocabulary, parse_data_section
+from ds_pseudo_real.ds_state import MONITOR_SECTIONS
 from ds_pseudo_real.models.build import build_model, model_spec, parameter_groups
 from ds_pseudo_real.report import MetricsLog, plot_history, read_records
 
@@ -129,14 +130,11 @@ def format_seconds(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
-
-
 def default_monitor_paths(ds_config: dict, out: Path) -> List[str]:
     """DeepSpeed's monitors enabled in the config; tensorboard and csv_monitor write under the run folder unless
     their section gives an ``output_path``."""
     enabled = []
-    for name in MONITORS:
+    for name in MONITOR_SECTIONS:
         section = ds_config.get(name)
         if isinstance(section, dict) and section.get("enabled"):
             enabled.append(name)
@@ -206,7 +204,9 @@ def train(argv: Optional[List[str]] = None) -> int:
     model = build_model(spec, seed=args.seed)
     engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=ds_config, model_parameters=parameter_groups(spec))
     if not args.no_resume:
-        engine.load_checkpoint(str(ckpt_dir), tag=args.resume_from)
+        engine.load_checkpoint(str(ckpt_dir), tag=args.resume_from)  # rewinds the monitors to where it resumes
+    else:
+        engine.rewind_monitors()
     start_step = engine.global_steps
     seq_len = spec.seq_len
     resolved = (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
