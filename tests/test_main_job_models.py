@@ -103,6 +103,55 @@ def test_config_errors_stop_before_the_model_with_one_message(tmp_path, change, 
     assert "model:" not in proc.stdout and not out.exists()  # nothing built, nothing written
 
 
+def test_check_validates_the_config_on_the_given_ranks_without_starting_one(tmp_path):
+    """``--check CONFIG`` runs the job's own validation for ``--world-size`` ranks and builds nothing: one ``error:``
+    line and exit 2 for what would stop the job (DeepSpeed's own sections and batch arithmetic included), one ``ok:``
+    line and exit 0 otherwise."""
+    def config(name, **sections):
+        (tmp_path / name).mkdir()
+        return m6_config(tmp_path / name, **sections)
+
+    spread = config("spread", m6={"preset": "m6-tiny", "expert_parallel": 2})
+    lines = run_job("--check", str(spread), "--world-size", "2", "--seq-len", "16").stdout.splitlines()
+    ok = [line for line in lines if not line.startswith("[20")]  # DeepSpeed's logger says which accelerator
+    assert len(ok) == 1 and ok[0].startswith(f"ok: {spread} on 2 ranks: m6 model, 4 layers, sequence 16, "), ok
+    assert "expert_parallel 2" in ok[0] and "600 steps" not in ok[0] and "8 steps of 4 x 1 x 2 sequences" in ok[0]
+    cases = [
+        (spread, "3", "error: m6.expert_parallel: got 2; it must divide both the 8 experts and the 3 ranks"),
+        (config("zero", zero_optimization={"stage": 1, "reduce_bucket": 5}), "1",
+         "error: invalid config: DeepSpeed's DeepSpeedZeroConfig refuses\n  reduce_bucket: Extra inputs are not "
+         "permitted (got 5)"),
+        (config("batch", train_batch_size=32), "3", "train_batch_size: got 32, but train_micro_batch_size_per_gpu 4"
+         " x gradient_accumulation_steps 1 x data-parallel size 3 = 12"),
+    ]
+    for config, world, message in cases:
+        proc = run_job("--check", str(config), "--world-size", world, expect=2)
+        assert len([line for line in proc.stderr.splitlines() if line.startswith("error:")]) == 1, proc.stderr
+        assert message in proc.stderr and "Traceback" not in proc.stderr and "ok:" not in proc.stdout
+
+
+def test_config_error_under_torchrun_names_its_cause_in_torchruns_summary(tmp_path):
+    """torchrun turns a rank's exit status 2 into its own ChildFailedError (exit 1); the entry point is recorded
+    (torch elastic's ``@record``), so the summary's root cause is the error, not an empty one."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(REPO / "launch" / "train.py"), "--deepspeed_config",
+                           str(m6_config(tmp_path, pseudo_to_reel={})), "--output-dir", str(tmp_path / "run")],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == ["error: invalid config:"]
+    root_cause = proc.stderr[proc.stderr.index("Root Cause (first observed failure):"):]
+    assert "exitcode  : 2" in root_cause and "To enable traceback see" not in root_cause
+    assert "ConfigError: invalid config:" in root_cause and "pseudo_to_reel: unknown top-level key" in root_cause
+
+
 def test_without_the_section_the_job_says_pseudo_to_real_is_off(tmp_path):
     cfg = json.loads(m6_config(tmp_path).read_text())
     del cfg["pseudo_to_real"]
