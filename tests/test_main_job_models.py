@@ -86,6 +86,27 @@ def test_hugging_face_gpt2_from_a_local_config(tmp_path):
     assert delink["parameters_after"] - delink["parameters_before"] == 3 * block
 
 
+def test_hf_config_folder_that_is_not_there_is_named_and_never_looked_up_on_the_hub(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers", reason="the hf model section needs transformers")
+    from ds_pseudo_real.models.build import model_spec
+
+    folder = tmp_path / "gpt2-small"
+    transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=300).save_pretrained(folder)
+    spec = model_spec({"hf": {"config": str(folder)}}, {}, vocab_size=256, world_size=1)
+    assert (spec.num_layers, spec.vocab_size) == (3, 300)
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError(f"transformers asked for {args}")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_lookup)
+    monkeypatch.chdir(tmp_path)
+    for given in ("models/gpt2-small", str(tmp_path / "missing")):
+        with pytest.raises(ConfigError) as error:
+            model_spec({"hf": {"config": given}}, {}, vocab_size=256, world_size=1)
+        assert str(error.value).startswith(f"hf.config: no such folder {given} ({tmp_path / given}: a relative path "
+                                           f"is read from the working directory)")
+
+
 @pytest.mark.parametrize("change, message", [
     ({"pseudo_to_reel": {"switch": {"at_step": 2}}},
      "pseudo_to_reel: unknown top-level key, known to neither DeepSpeed nor ds_pseudo_real; did you mean 'pseudo_to_real'?"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
@@ -139,6 +140,10 @@ def _hf_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -
     except ImportError:
         raise ConfigError("hf: needs Hugging Face transformers: pip install 'ds_pseudo_real[hf]'") from None
     raw = section["config"]
+    if isinstance(raw, str) and not os.path.exists(raw):  # never handed on: transformers would take it for a Hub id
+        raise ConfigError(f"hf.config: no such folder {raw} ({os.path.abspath(raw)}: a relative path is read from the "
+                          f"working directory); give a local folder with a config.json, or the config itself as a "
+                          f"dict with model_type (the job never downloads one)")
     try:
         if isinstance(raw, str):
             config = transformers.AutoConfig.from_pretrained(raw, local_files_only=True)
