@@ -86,6 +86,17 @@ def test_hugging_face_gpt2_from_a_local_config(tmp_path):
     assert delink["parameters_after"] - delink["parameters_before"] == 3 * block
 
 
+def test_a_presets_vocabulary_replaced_by_the_datas_is_said_with_both_numbers():
+    from ds_pseudo_real.models.build import model_spec
+
+    replaced = model_spec({"m6": {"preset": "m6-tiny"}}, {}, vocab_size=257, world_size=1)
+    assert replaced.vocab_size == 257
+    assert "vocabulary 257 (the data's tokenizer's, in place of the preset m6-tiny's 128)" in replaced.describe()
+    for section, data_vocab in (({"preset": "m6-tiny", "vocab_size": 300}, 257), ({"preset": "m6-tiny"}, 128)):
+        spec = model_spec({"m6": section}, {}, vocab_size=data_vocab, world_size=1)
+        assert f"vocabulary {spec.vocab_size}, preset" in spec.describe()
+
+
 def test_hf_config_folder_that_is_not_there_is_named_and_never_looked_up_on_the_hub(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers", reason="the hf model section needs transformers")
     from ds_pseudo_real.models.build import model_spec
@@ -137,6 +148,7 @@ def test_check_validates_the_config_on_the_given_ranks_without_starting_one(tmp_
     ok = [line for line in lines if not line.startswith("[20")]  # DeepSpeed's logger says which accelerator
     assert len(ok) == 1 and ok[0].startswith(f"ok: {spread} on 2 ranks: m6 model, 4 layers, sequence 16, "), ok
     assert "expert_parallel 2" in ok[0] and "600 steps" not in ok[0] and "8 steps of 4 x 1 x 2 sequences" in ok[0]
+    assert "vocabulary 256 (the data's tokenizer's, in place of the preset m6-tiny's 128)" in ok[0]
     cases = [
         (spread, "3", "error: m6.expert_parallel: got 2; it must divide both the 8 experts and the 3 ranks"),
         (config("zero", zero_optimization={"stage": 1, "reduce_bucket": 5}), "1",

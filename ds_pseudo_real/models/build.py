@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError
-from ..moe.architecture import M6Architecture, architecture_from_dict
+from ..moe.architecture import PRESETS, M6Architecture, architecture_from_dict
 from ..sharing import sharing_groups
 from .gpt import GPT, GPTConfig
 
@@ -40,11 +40,14 @@ class ModelSpec:
     vocab_size: int
     layers: str = "layers"
     options: Dict[str, Any] = field(default_factory=dict)
+    preset_vocab_size: Optional[int] = None  # a preset's vocabulary the data's replaced
 
     def describe(self) -> str:
         extra = ", ".join(f"{k} {v}" for k, v in self.options.items()
                           if k not in ("arch", "hf_config") and not (k == CHECKPOINT_KEY and not v))
-        return f"{self.kind} model, {self.num_layers} layers, sequence {self.seq_len}, vocabulary {self.vocab_size}" + (
+        vocabulary = f"vocabulary {self.vocab_size}" + ("" if self.preset_vocab_size is None else (
+            f" (the data's tokenizer's, in place of the preset {self.options['preset']}'s {self.preset_vocab_size})"))
+        return f"{self.kind} model, {self.num_layers} layers, sequence {self.seq_len}, {vocabulary}" + (
             f", {extra}" if extra else "")
 
 
@@ -112,6 +115,9 @@ def _m6_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -
         section["seq_length"] = flags["seq_len"]
     if "vocab_size" in section and section["vocab_size"] < vocab_size:
         raise ConfigError(f"m6.vocab_size: got {section['vocab_size']}; the data's tokenizer has {vocab_size} tokens")
+    preset = PRESETS.get(section["preset"]) if isinstance(section.get("preset"), str) else None
+    replaced = preset.vocab_size if preset and "vocab_size" not in section and preset.vocab_size != vocab_size \
+        else None
     section.setdefault("vocab_size", vocab_size)
     try:
         arch = architecture_from_dict(section)
@@ -126,7 +132,7 @@ def _m6_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -
                           f"the {world_size} ranks (accepted: {accepted})")
     return ModelSpec("m6", arch.num_layers, arch.seq_length, arch.vocab_size,
                      options={"preset": arch.name, "expert_parallel": ep, "capacity_factor": run["capacity_factor"],
-                              "balance_coeff": run["balance_coeff"], "arch": arch})
+                              "balance_coeff": run["balance_coeff"], "arch": arch}, preset_vocab_size=replaced)
 
 
 def _hf_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -> ModelSpec:
