@@ -586,7 +586,7 @@ class PseudoToRealController:
 
         old = self.engine
         policy = self.config.optimizer_state
-        pseudo_numel = parameter_numel(old.module)
+        pseudo_numel, pseudo_total = parameter_numel(old.module), ds_state.total_parameter_numel(old.module)
         pseudo_memory = ds_state.memory_report(old)
         pseudo_plan = self.offload_plan
         staging = staging_device(self.full_ds_config)
@@ -651,8 +651,10 @@ class PseudoToRealController:
             "groups_after": new_groups,
             "layers_before": old_depth,
             "layers_after": new_depth,
-            "parameters_before": pseudo_numel,
+            "parameters_before": pseudo_numel,  # this rank's
             "parameters_after": parameter_numel(engine.module),
+            "parameters_before_total": pseudo_total,  # the model's, over every rank
+            "parameters_after_total": ds_state.total_parameter_numel(engine.module),
             "optimizer_state": policy,
             "moments_carried": carried,
             "memory_before": pseudo_memory,
@@ -672,8 +674,10 @@ class PseudoToRealController:
     def _log_transition(self, report: Dict[str, Any]) -> None:
         mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
         log_rank0(
-            f"delinked at step {report['step']} in {report['seconds']:.2f}s: parameters {report['parameters_before']:,}"
-            f" -> {report['parameters_after']:,}; optimizer state '{report['optimizer_state']}'"
+            f"delinked at step {report['step']} in {report['seconds']:.2f}s: parameters per rank "
+            f"{report['parameters_before']:,} -> {report['parameters_after']:,}, in total "
+            f"{report['parameters_before_total']:,} -> {report['parameters_after_total']:,}; optimizer state "
+            f"'{report['optimizer_state']}'"
             f" ({report['moments_carried']} tensors carried); LR re-warmup {report['rewarmup_steps']} steps; "
             f"parameter groups {report['groups_before']} -> {report['groups_after']}"
             + (f", layers {report['layers_before']} -> {report['layers_after']} (stacked)"

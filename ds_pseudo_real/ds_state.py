@@ -48,6 +48,7 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
         "DeepSpeedEngine": ("global_steps", "global_samples", "micro_steps", "skipped_steps", "monitor",
                             "get_data_types", "destroy",
                             "_get_zero_ckpt_name", "use_node_local_storage", "local_rank", "global_rank"),
+        "deepspeed.utils.groups": ("_get_expert_data_parallel_group",),  # the report's parameters over all ranks
         "engine.optimizer": {
             "DeepSpeedZeroOptimizer": _FLAT_FRAGMENTS,
             "BF16_Optimizer": _FLAT_FRAGMENTS,
@@ -1002,6 +1003,30 @@ def expert_data_parallel_group(name: str):
     from deepspeed.utils import groups
 
     return groups._get_expert_data_parallel_group(name)
+
+
+def total_parameter_numel(model: torch.nn.Module) -> int:
+    """The model's distinct parameter elements over every rank (collective; ZeRO-3 partitioned parameters at their
+    full size): what each rank holds alike counted once, and the experts of DeepSpeed 0.19.8's MoE layers (marked
+    ``allreduce = False``, each rank holding those of its expert-parallel rank) summed over the ranks and divided by
+    the ranks that hold the same ones (their expert-data-parallel group)."""
+    import torch.distributed as dist
+    from deepspeed.moe.utils import is_moe_param
+
+    from .checkpoint import gather
+
+    dense, experts = 0, {}
+    for param in model.parameters():
+        numel = getattr(param, "ds_numel", param.numel())
+        if is_moe_param(param):
+            experts[param.group_name] = experts.get(param.group_name, 0) + numel
+        else:
+            dense += numel
+    if not experts or not dist.is_initialized():
+        return dense + sum(experts.values())
+    per_rank = gather(experts)
+    return dense + sum(sum(held[name] for held in per_rank) // dist.get_world_size(expert_data_parallel_group(name))
+                       for name in experts)
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from ds_pseudo_real.config import (
     split_checkpoint_options,
 )
 from ds_pseudo_real.data import BYTE_VOCAB, DataOptions, build_corpus, indexed_vocabulary, parse_data_section
-from ds_pseudo_real.ds_state import MONITOR_SECTIONS
+from ds_pseudo_real.ds_state import MONITOR_SECTIONS, total_parameter_numel
 from ds_pseudo_real.models.build import ModelSpec, build_model, model_spec, parameter_groups
 from ds_pseudo_real.offload.config import gradient_accumulation_steps, parse_granular_offload
 from ds_pseudo_real.report import MetricsLog, plot_history, read_records
@@ -104,8 +104,8 @@ def batch_shape(ds_config: dict, world_size: int) -> Tuple[int, int]:
     """The micro batch per rank and the gradient accumulation steps on ``world_size`` ranks (from any two of
     train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps, by DeepSpeed 0.19.8's rule as
     ``offload.config.gradient_accumulation_steps`` states it), and DeepSpeed's own sections validated by its config
-    class. That class takes the world size from the process group, so it is given the batch keys resolved for one
-    rank: the check runs the same before any rank starts."""
+    class. That class takes the world size from the process group, which ``--check`` has not: it is given the micro
+    batch and accumulation steps resolved here, and derives train_batch_size from them."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     gas = gradient_accumulation_steps(ds_config, world_size)
@@ -115,10 +115,9 @@ def batch_shape(ds_config: dict, world_size: int) -> Tuple[int, int]:
             raise ConfigError("invalid config:\n  train_micro_batch_size_per_gpu: missing; give it or "
                               "train_batch_size (DeepSpeed needs one)")
         micro = ds_config["train_batch_size"] // (gas * world_size)
-    one_rank = {**copy.deepcopy(ds_config), "train_batch_size": micro * gas, "train_micro_batch_size_per_gpu": micro,
-                "gradient_accumulation_steps": gas}
+    resolved = {key: value for key, value in copy.deepcopy(ds_config).items() if key != "train_batch_size"}
     try:
-        DeepSpeedConfig(one_rank)
+        DeepSpeedConfig({**resolved, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas})
     except ValidationError as error:  # a DeepSpeed section's model, e.g. DeepSpeedZeroConfig for zero_optimization
         problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})" for e in error.errors()]
         raise ConfigError(f"invalid config: DeepSpeed's {error.title} refuses\n  " + "\n  ".join(problems)) from None
@@ -289,9 +288,11 @@ def train(args: argparse.Namespace) -> int:
                            f"resolved {resolved[0]} x {resolved[1]}")
     tokens_per_step = micro * gas * seq_len * world
     log = MetricsLog(out / "metrics.jsonl", resume_step=start_step) if rank == 0 else None
+    total = total_parameter_numel(engine.module)  # collective
     if rank == 0:
         print(f"training {steps} steps from step {start_step}: {tokens_per_step} tokens/step, stage {engine.stage}, "
-              f"{ds_pseudo_real.parameter_count(engine.module):,} parameters, output {out}", flush=True)
+              f"{ds_pseudo_real.parameter_count(engine.module):,} parameters per rank, {total:,} in total, output "
+              f"{out}", flush=True)
 
     seen_transition = engine.last_transition
     window_start, window_steps = time.perf_counter(), 0
@@ -317,7 +318,7 @@ def train(args: argparse.Namespace) -> int:
         events = {"train_loss": train_loss, "stage": 0.0 if stage == "pseudo" else 1.0}
         if engine.last_transition is not seen_transition:
             seen_transition = engine.last_transition
-            events["delink"] = float(seen_transition["parameters_after"])
+            events["delink"] = float(seen_transition["parameters_after_total"])
             if log:
                 event = {k: v for k, v in seen_transition.items() if not k.startswith("offload_plan")}
                 log.write({"event": "delink", **event})

@@ -61,8 +61,12 @@ def test_m6_on_two_ranks_spreads_the_experts(tmp_path):
     assert "expert_parallel 2" in proc.stdout
     assert "rank 0 finished at step 8 stage real" in proc.stdout and "rank 1 finished at step 8 stage real" in proc.stdout
     delink = [r for r in read_records(out / "metrics.jsonl") if r.get("event") == "delink"][0]
-    # Each rank holds half of every layer's experts.
+    # Each rank holds half of every layer's experts; the model has them all.
     assert (delink["parameters_before"], delink["parameters_after"]) == (m6_parameters(1, 2), m6_parameters(4, 2))
+    assert (delink["parameters_before_total"], delink["parameters_after_total"]) == (m6_parameters(1), m6_parameters(4))
+    assert (f"parameters per rank {m6_parameters(1, 2):,} -> {m6_parameters(4, 2):,}, in total {m6_parameters(1):,} -> "
+            f"{m6_parameters(4):,}; ") in proc.stdout
+    assert f"stage pseudo, {m6_parameters(1, 2):,} parameters per rank, {m6_parameters(1):,} in total" in proc.stdout
 
 
 def test_hugging_face_gpt2_from_a_local_config(tmp_path):
