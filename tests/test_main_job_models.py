@@ -239,3 +239,45 @@ def test_shipped_configs_are_accepted_by_the_main_job(name):
     if "m6" in cfg:
         assert spec.kind == "m6" and spec.options["preset"] == cfg["m6"]["preset"]
         assert spec.options["expert_parallel"] == world
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.json")
+                                        if "granular_offload" in json.loads(p.read_text())))
+def test_shipped_configs_plan_the_model_the_main_job_trains(name):
+    """What ``ds-pseudo-real plan`` plans for a shipped config (its ``granular_offload.model``, or its m6 section's
+    architecture) is the model the main job builds from that config on the ranks it is written for, data included
+    (built here on the meta device): the same layers, parameters per layer, experts per layer and other parameters
+    per rank. For the configs this CPU machine runs, the job's plans for that model fit the config's budget in every
+    stage (the pseudo model's at start, the real model's at the delink); the large ones' plans are the plan
+    command's (tests/offload/test_config_cli.py)."""
+    from ds_pseudo_real.models.build import build_model
+    from ds_pseudo_real.offload import model_groups
+    from ds_pseudo_real.offload.cli import m6_model_size
+    from ds_pseudo_real.offload.config import parse_granular_offload, training_setup
+    from ds_pseudo_real.offload.planner import PlacementLevel, plan_placement
+    from ds_pseudo_real.sharing import apply_sharing
+    from launch.train import parse_args, read_job
+
+    cfg = json.loads((REPO / "configs" / name).read_text())
+    world = cfg.get("m6", {}).get("expert_parallel", 1)
+    job = read_job(parse_args(["--check", str(REPO / "configs" / name), "--world-size", str(world)]), world)
+    with torch.device("meta"):
+        model = build_model(job.spec)
+    sizes, _ = model_groups(model, job.spec.layers, world)
+    dense = [s.numel for s in sizes if s.name.startswith("layer") and not s.is_experts]
+    experts = [s.numel for s in sizes if s.is_experts] or [0]
+    built = (len(dense), set(dense), set(experts), sum(s.numel for s in sizes if s.name == "other"))
+    section = parse_granular_offload(cfg)
+    planned = m6_model_size(cfg["m6"], section.model) if "m6" in cfg else section.model
+    assert built == (planned.num_layers, {planned.layer_params}, {planned.expert_params}, planned.other_params)
+
+    if "tiny" not in name:
+        return
+    setup = training_setup(cfg, section, world, job.spec.num_layers, "cpu")
+    layers = job.spec.num_layers
+    stages = [groups for _, groups in job.ptr.stages(layers)] if job.ptr.enabled else [layers]
+    for groups in reversed(stages):  # the real model first, then it is shared into the pseudo model
+        apply_sharing(model, job.spec.layers, groups)
+        plan = plan_placement(model_groups(model, job.spec.layers, world)[0], setup, section.device_memory,
+                              PlacementLevel(section.max_level))
+        assert plan.fits()
