@@ -138,6 +138,16 @@ def test_data_section_errors_name_the_key(section, message):
     assert message in str(error.value)
 
 
+def test_a_prefix_not_found_names_the_absolute_paths_tried(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        indexed_vocabulary(DataOptions("indexed", prefixes=["data/corpus", str(tmp_path / "abs")]))
+    assert (f"data: data/corpus.bin and data/corpus.idx missing (looked for {tmp_path}/data/corpus.bin and "
+            f"{tmp_path}/data/corpus.idx: a relative prefix is read from the working directory, {tmp_path}, not "
+            f"from the config's folder; a dataset is PREFIX.bin") in str(error.value)
+    assert f"data: {tmp_path}/abs.bin and {tmp_path}/abs.idx missing (a dataset is" in str(error.value)
+
+
 def test_data_section_forms():
     assert parse_data_section({}).type == "byte_corpus"
     single = parse_data_section({"data": {"prefix": "x/a"}})
