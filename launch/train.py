@@ -236,7 +236,8 @@ def read_job(args: argparse.Namespace, world: int) -> Job:
     data = parse_data_section(ds_config)
     vocab, eod = (BYTE_VOCAB, None) if data.type == "byte_corpus" else indexed_vocabulary(data)
     flags = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "seq_len": args.seq_len}
-    spec = model_spec(ds_config, flags, vocab_size=vocab, world_size=world, groups=ptr.groups if ptr.enabled else 1)
+    spec = model_spec(ds_config, flags, vocab_size=vocab, world_size=world, groups=ptr.groups if ptr.enabled else 1,
+                      eod=eod)
     if ptr.enabled:
         ptr.stages(spec.num_layers)  # a progressive schedule's stages, checked before the model is built
     micro, gas = batch_shape(ds_config, world)

@@ -78,8 +78,11 @@ def test_hugging_face_gpt2_from_a_local_config(tmp_path):
     path = tmp_path / "hf.json"
     path.write_text(json.dumps(cfg))
     out = tmp_path / "hf"
-    log = run_job("--deepspeed_config", str(path), "--output-dir", str(out), "--seq-len", "32", *RUN).stdout
+    proc = run_job("--deepspeed_config", str(path), "--output-dir", str(out), "--seq-len", "32", *RUN)
+    log = proc.stdout
     assert "model: hf model, 4 layers, sequence 32, vocabulary 256, model_type gpt2" in log
+    # GPT-2's default bos/eos (50256) are not left in a 256-token vocabulary: the byte corpus has no such token
+    assert "token_id must be" not in proc.stdout + proc.stderr
     delink = [r for r in read_records(out / "metrics.jsonl") if r.get("event") == "delink"][0]
     import transformers
 
@@ -99,6 +102,17 @@ def test_a_presets_vocabulary_replaced_by_the_datas_is_said_with_both_numbers():
     for section, data_vocab in (({"preset": "m6-tiny", "vocab_size": 300}, 257), ({"preset": "m6-tiny"}, 128)):
         spec = model_spec({"m6": section}, {}, vocab_size=data_vocab, world_size=1)
         assert f"vocabulary {spec.vocab_size}, preset" in spec.describe()
+
+
+def test_an_hf_config_dict_takes_its_special_tokens_from_the_data():
+    pytest.importorskip("transformers", reason="the hf model section needs transformers")
+    from ds_pseudo_real.models.build import model_spec
+
+    gpt2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 257}
+    config = model_spec({"hf": {"config": gpt2}}, {}, vocab_size=257, world_size=1, eod=256).options["hf_config"]
+    assert (config.bos_token_id, config.eos_token_id) == (256, 256)  # the end-of-document token, as GPT-2's
+    given = model_spec({"hf": {"config": {**gpt2, "eos_token_id": 3}}}, {}, vocab_size=257, world_size=1, eod=256)
+    assert (given.options["hf_config"].bos_token_id, given.options["hf_config"].eos_token_id) == (256, 3)
 
 
 def test_hf_config_folder_that_is_not_there_is_named_and_never_looked_up_on_the_hub(tmp_path, monkeypatch):

@@ -52,9 +52,10 @@ class ModelSpec:
 
 
 def model_spec(ds_config: Mapping[str, Any], flags: Mapping[str, Optional[int]], vocab_size: int,
-               world_size: int, groups: int = 1) -> ModelSpec:
+               world_size: int, groups: int = 1, eod: Optional[int] = None) -> ModelSpec:
     """Validate the model sections of ``ds_config`` (flags given on the command line win over the ``gpt`` section)
-    and that ``groups`` (``pseudo_to_real.groups``) divides the layer count."""
+    and that ``groups`` (``pseudo_to_real.groups``) divides the layer count. ``vocab_size`` and ``eod`` (the
+    end-of-document id, None for the byte corpus) are the data's."""
     chosen = [s for s in MODEL_SECTIONS if s in ds_config]
     if len(chosen) > 1:
         raise ConfigError(f"the config has the model sections {chosen}; give one of {list(MODEL_SECTIONS)}")
@@ -67,7 +68,7 @@ def model_spec(ds_config: Mapping[str, Any], flags: Mapping[str, Optional[int]],
     if not isinstance(checkpoint, bool):
         raise ConfigError(f"{kind}.{CHECKPOINT_KEY}: got {checkpoint!r}; expected true or false")
     _check_activation_checkpointing(ds_config, kind, checkpoint)
-    spec = {"gpt": _gpt_spec, "m6": _m6_spec, "hf": _hf_spec}[kind](section, flags, vocab_size, world_size)
+    spec = {"gpt": _gpt_spec, "m6": _m6_spec, "hf": _hf_spec}[kind](section, flags, vocab_size, world_size, eod)
     spec.options[CHECKPOINT_KEY] = checkpoint
     sharing_groups(spec.num_layers, groups)
     return spec
@@ -94,7 +95,7 @@ def _check_activation_checkpointing(ds_config: Mapping[str, Any], kind: str, che
                 f"{'recomputes' if checkpoint else 'keeps'} them; make the two agree")
 
 
-def _gpt_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -> ModelSpec:
+def _gpt_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int, eod: Optional[int]) -> ModelSpec:
     unknown = sorted(set(section) - set(GPT_KEYS))
     if unknown:
         raise ConfigError(f"gpt: unknown key(s) {unknown}; accepted: {[*GPT_KEYS, CHECKPOINT_KEY]}")
@@ -109,7 +110,7 @@ def _gpt_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) 
     return ModelSpec("gpt", values["n_layer"], values["seq_len"], vocab_size, options=values)
 
 
-def _m6_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -> ModelSpec:
+def _m6_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int, eod: Optional[int]) -> ModelSpec:
     run = {key: section.pop(key, default) for key, default in M6_RUN_KEYS.items()}
     if flags.get("seq_len") is not None:
         section["seq_length"] = flags["seq_len"]
@@ -135,7 +136,7 @@ def _m6_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -
                               "balance_coeff": run["balance_coeff"], "arch": arch}, preset_vocab_size=replaced)
 
 
-def _hf_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -> ModelSpec:
+def _hf_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int, eod: Optional[int]) -> ModelSpec:
     unknown = sorted(set(section) - {"config", "layers"})
     if unknown or "config" not in section:
         raise ConfigError(f"hf: got keys {sorted(section)}; expected 'config' (a dict for transformers.AutoConfig."
@@ -154,7 +155,9 @@ def _hf_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -
         if isinstance(raw, str):
             config = transformers.AutoConfig.from_pretrained(raw, local_files_only=True)
         else:
-            raw = dict(raw)
+            # the data's end-of-document token, not the model type's default ids (GPT-2's 50256 is outside any
+            # smaller vocabulary), where the dict gives none: GPT-2 begins and ends its documents with it
+            raw = {"bos_token_id": eod, "eos_token_id": eod, **raw}
             config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
     except (KeyError, ValueError, OSError) as error:
         raise ConfigError(f"hf.config: {error}") from None
