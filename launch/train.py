@@ -4,6 +4,7 @@ datasets, pseudo stage -> delink -> real stage.
 Started by the deepspeed launcher (``deepspeed launch/train.py --deepspeed_config configs/tiny_cpu.json``),
 torchrun, srun, or ``ds-pseudo-real train``. Resumes from the newest checkpoint in ``<output-dir>/checkpoints`` that
 verifies (or ``--resume-from``); on SIGUSR1/SIGTERM it saves a checkpoint at the next step boundary and exits 0.
+``python -m launch.train --check CONFIG --world-size N`` runs its start-up validation alone, before any rank starts.
 """
 from __future__ import annotations
 
