@@ -338,7 +338,8 @@ class PseudoToRealController:
             training_data=training_data,
             collate_fn=collate_fn,
             mpu=self._mpu,
-            config=ds_config,
+            # the run's monitor is handed on below: no writer (and empty event file) of this engine's own
+            config=ds_config if self._monitor is None else ds_state.without_monitors(ds_config),
         )
         # the transition reads and writes this engine's optimizer state; save_checkpoint wraps its checkpoint engine
         ds_state.check_internals(engine, *(["pseudo_to_real"] if self.config.enabled else []), "save_checkpoint")
@@ -585,7 +586,7 @@ class PseudoToRealController:
 
         old = self.engine
         policy = self.config.optimizer_state
-        pseudo_numel = parameter_numel(old.module)
+        pseudo_numel, pseudo_total = parameter_numel(old.module), ds_state.total_parameter_numel(old.module)
         pseudo_memory = ds_state.memory_report(old)
         pseudo_plan = self.offload_plan
         staging = staging_device(self.full_ds_config)
@@ -650,8 +651,10 @@ class PseudoToRealController:
             "groups_after": new_groups,
             "layers_before": old_depth,
             "layers_after": new_depth,
-            "parameters_before": pseudo_numel,
+            "parameters_before": pseudo_numel,  # this rank's
             "parameters_after": parameter_numel(engine.module),
+            "parameters_before_total": pseudo_total,  # the model's, over every rank
+            "parameters_after_total": ds_state.total_parameter_numel(engine.module),
             "optimizer_state": policy,
             "moments_carried": carried,
             "memory_before": pseudo_memory,
@@ -671,8 +674,10 @@ class PseudoToRealController:
     def _log_transition(self, report: Dict[str, Any]) -> None:
         mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
         log_rank0(
-            f"delinked at step {report['step']} in {report['seconds']:.2f}s: parameters {report['parameters_before']:,}"
-            f" -> {report['parameters_after']:,}; optimizer state '{report['optimizer_state']}'"
+            f"delinked at step {report['step']} in {report['seconds']:.2f}s: parameters per rank "
+            f"{report['parameters_before']:,} -> {report['parameters_after']:,}, in total "
+            f"{report['parameters_before_total']:,} -> {report['parameters_after_total']:,}; optimizer state "
+            f"'{report['optimizer_state']}'"
             f" ({report['moments_carried']} tensors carried); LR re-warmup {report['rewarmup_steps']} steps; "
             f"parameter groups {report['groups_before']} -> {report['groups_after']}"
             + (f", layers {report['layers_before']} -> {report['layers_after']} (stacked)"
@@ -785,6 +790,7 @@ class PseudoToRealController:
             self._prepare_dir(load_dir)
             chosen = ckpt.select_resume(load_dir, mode)
             if chosen is None:
+                self.rewind_monitors()  # the run starts here: what an earlier one logged after this step goes
                 return None, {}
             tag, verdict = chosen
         else:
@@ -827,8 +833,15 @@ class PseudoToRealController:
         self._check_state_restored(os.path.join(load_dir, tag), side, optimizer_loaded)
         client = dict(client or {})
         self._restore_plugin_state(client.pop(CLIENT_KEY))
+        self.rewind_monitors()
         log_rank0(f"resumed from {os.path.join(load_dir, tag)} at step {self.engine.global_steps} ({self.state.stage} stage)")
         return path, client
+
+    def rewind_monitors(self) -> None:
+        """Drop what DeepSpeed's TensorBoard and CSV monitors logged after the current step (an interrupted run's
+        tail; CSV rows kept in ``<file>.discarded``), so that the run's monitor output reads as one run's.
+        ``load_checkpoint`` does it; call it when a run starts over without loading one."""
+        ds_state.rewind_monitors(self.engine)
 
     def _restore_swapped_state(self, folder: str, side: Dict[str, Any], optimizer_loaded: bool) -> None:
         """Under ZeRO-3 with ``offload_optimizer: nvme``, restore the fp32 masters and working weights, and (when the
@@ -942,5 +955,6 @@ class PseudoToRealController:
             self._restore_plugin_state(plugin)
         self.state.stage = REAL
         self.state.switch_step = self.state.switch_step or self.engine.global_steps
+        self.rewind_monitors()
         log_rank0(f"loaded converted real-stage checkpoint {folder} at step {self.engine.global_steps}; Adam moments start at zero")
         return folder, client

@@ -8,6 +8,7 @@ of (seed, step, rank): resuming at step N reproduces the data order without savi
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,8 +175,11 @@ def indexed_vocabulary(options: DataOptions) -> Tuple[int, Optional[int]]:
     for prefix in options.prefixes:
         missing = [prefix + ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
         if missing:
-            errors.append(f"data: {' and '.join(missing)} missing (a dataset is PREFIX.bin and PREFIX.idx, as "
-                          f"written by ds-pseudo-real preprocess or Megatron's preprocess_data.py)")
+            tried = "" if Path(prefix).is_absolute() else (
+                f"looked for {' and '.join(os.path.abspath(path) for path in missing)}: a relative prefix is read "
+                f"from the working directory, {os.getcwd()}, not from the config's folder; ")
+            errors.append(f"data: {' and '.join(missing)} missing ({tried}a dataset is PREFIX.bin and PREFIX.idx, "
+                          f"as written by ds-pseudo-real preprocess or Megatron's preprocess_data.py)")
             continue
         try:
             meta = read_metadata(prefix)

@@ -7,7 +7,8 @@ lazily created optimizer state so moments can be set before the first step, the 
 folding the norm of gradients DeepSpeed does not hold (granular offload's own groups) into its global gradient
 norm and its overflow decision and dropping them when it zeroes its own, by wrapping methods on the engine's own
 optimizer instance (its norm, the unfused optimizer's overflow check, ``zero_grad``: they live and die with that
-engine), and checksumming the files its checkpoint engine writes. One class-level patch: the model broadcast at
+engine), checksumming the files its checkpoint engine writes, and keeping one monitor per run, rewound to the step a
+run resumes from (:func:`rewind_monitors`). One class-level patch: the model broadcast at
 initialize sends host tensors (granular offload's host_params) through the device under NCCL
 (:func:`route_host_broadcasts`, undone by :func:`unroute_host_broadcasts`).
 """
@@ -47,6 +48,7 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
         "DeepSpeedEngine": ("global_steps", "global_samples", "micro_steps", "skipped_steps", "monitor",
                             "get_data_types", "destroy",
                             "_get_zero_ckpt_name", "use_node_local_storage", "local_rank", "global_rank"),
+        "deepspeed.utils.groups": ("_get_expert_data_parallel_group",),  # the report's parameters over all ranks
         "engine.optimizer": {
             "DeepSpeedZeroOptimizer": _FLAT_FRAGMENTS,
             "BF16_Optimizer": _FLAT_FRAGMENTS,
@@ -91,6 +93,12 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
     "granular_offload host_params": {  # the model broadcast at initialize, through the device under NCCL
         "DeepSpeedEngine": ("_broadcast_model",),
         "deepspeed.comm": ("broadcast",),
+    },
+    "monitors": {  # one writer per run across engines, rewound to the step a run resumes from (rank 0's monitor)
+        "DeepSpeedEngine": ("monitor",),
+        "MonitorMaster": ("tb_monitor", "csv_monitor"),
+        "TensorBoardMonitor": ("summary_writer",),
+        "csvMonitor": ("log_dir", "filenames"),
     },
 }
 _PARAMETERS = "parameters."
@@ -997,6 +1005,30 @@ def expert_data_parallel_group(name: str):
     return groups._get_expert_data_parallel_group(name)
 
 
+def total_parameter_numel(model: torch.nn.Module) -> int:
+    """The model's distinct parameter elements over every rank (collective; ZeRO-3 partitioned parameters at their
+    full size): what each rank holds alike counted once, and the experts of DeepSpeed 0.19.8's MoE layers (marked
+    ``allreduce = False``, each rank holding those of its expert-parallel rank) summed over the ranks and divided by
+    the ranks that hold the same ones (their expert-data-parallel group)."""
+    import torch.distributed as dist
+    from deepspeed.moe.utils import is_moe_param
+
+    from .checkpoint import gather
+
+    dense, experts = 0, {}
+    for param in model.parameters():
+        numel = getattr(param, "ds_numel", param.numel())
+        if is_moe_param(param):
+            experts[param.group_name] = experts.get(param.group_name, 0) + numel
+        else:
+            dense += numel
+    if not experts or not dist.is_initialized():
+        return dense + sum(experts.values())
+    per_rank = gather(experts)
+    return dense + sum(sum(held[name] for held in per_rank) // dist.get_world_size(expert_data_parallel_group(name))
+                       for name in experts)
+
+
 @contextlib.contextmanager
 def checksummed_writes(engine, folder: str) -> Iterator[Dict[str, Dict[str, Any]]]:
     """While DeepSpeed saves into ``folder``: its torch checkpoint engine writes each file through a checksumming,
@@ -1060,3 +1092,55 @@ def retire_module(module: torch.nn.Module, message: str) -> None:
         raise RuntimeError(message)
 
     module.register_forward_pre_hook(dead)
+
+
+# DeepSpeed 0.19.8's monitor sections (deepspeed/monitor/config.py, get_monitor_config), each {"enabled": ...}.
+MONITOR_SECTIONS = ("tensorboard", "csv_monitor", "wandb", "comet")
+
+
+def without_monitors(ds_config: Dict[str, Any]) -> Dict[str, Any]:
+    """``ds_config`` with every monitor section disabled: for an engine that is given the run's monitor after it is
+    built (DeepSpeed 0.19.8 builds a ``MonitorMaster`` in every engine, and its TensorBoard monitor opens a new
+    event file at once, which would stay empty)."""
+    return {key: {**value, "enabled": False} if key in MONITOR_SECTIONS and isinstance(value, dict) else value
+            for key, value in ds_config.items()}
+
+
+def _monitor_places(monitor) -> Dict[str, Any]:
+    places = {"MonitorMaster": monitor}
+    for name, attribute in (("TensorBoardMonitor", "tb_monitor"), ("csvMonitor", "csv_monitor")):
+        if getattr(monitor, attribute, None) is not None:
+            places[name] = getattr(monitor, attribute)
+    return places
+
+
+def rewind_monitors(engine) -> None:
+    """Make what DeepSpeed's TensorBoard and CSV monitors wrote read as if the run had stopped at the engine's
+    current step (its ``global_samples``: DeepSpeed 0.19.8 writes its ``Train/Samples/*`` events against it), so that
+    the events a resumed run writes next replace what an interrupted run wrote after its checkpoint.
+
+    TensorBoard: DeepSpeed's ``TensorBoardMonitor`` builds its ``SummaryWriter`` at initialize, before the step a run
+    resumes from is known, and without ``purge_step``; its writer gets what ``SummaryWriter(purge_step=samples + 1)``
+    writes first, a ``SessionLog.START`` event at that step, on which TensorBoard drops every event of the earlier
+    files at or after it. CSV: every file of ``csvMonitor.log_dir`` is rewound to its rows up to ``samples``
+    (:func:`~ds_pseudo_real.report.rewind_csv`, the rows dropped kept in ``<file>.discarded``), and noted as having
+    its header (``csvMonitor.filenames``), which it otherwise writes again the first time a process writes a file.
+    W&B and Comet keep their history on their servers and are left as they are."""
+    monitor = engine.monitor
+    _check_places("monitors", {"DeepSpeedEngine": engine, **_monitor_places(monitor)})
+    samples = engine.global_samples
+    writer = getattr(monitor.tb_monitor, "summary_writer", None)
+    if writer is not None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog  # as torch's SummaryWriter writes them
+
+        writer.file_writer.add_event(Event(step=samples + 1, session_log=SessionLog(status=SessionLog.START)))
+        writer.flush()
+    csv = monitor.csv_monitor
+    if csv is not None and csv.enabled and csv.log_dir:
+        from pathlib import Path
+
+        from .report import rewind_csv
+
+        for path in sorted(Path(csv.log_dir).glob("*.csv")):
+            if rewind_csv(path, samples) and path.stem not in csv.filenames:
+                csv.filenames.append(path.stem)

@@ -8,21 +8,38 @@ never share a sample and a resumed run reads the same next samples as the uninte
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import time
+import warnings
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
 from .config import ConfigError
+
+# megatron-core 0.16.1's optimizer and FSDP modules, imported with its datasets, warn at import that Transformer
+# Engine and Apex are missing and they fall back to local kernels: kernels the datasets never run.
+IMPORT_NOTES = re.escape("Transformer Engine and Apex are not installed")
+
+
+@contextlib.contextmanager
+def quiet_megatron_import() -> Iterator[None]:
+    """While megatron.core is imported for its datasets: its :data:`IMPORT_NOTES` (UserWarnings from its own
+    modules) are not shown; every other warning is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=IMPORT_NOTES, category=UserWarning, module=r"megatron\.core\.")
+        yield
 
 
 def check_splits(prefixes: List[str], split: str, split_matrix) -> None:
     """Every dataset must give the training and validation splits at least one token: megatron.core cannot sample
     an empty split (it loops forever looking for enough epochs). Splits are by documents, as megatron.core cuts
     them."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    with quiet_megatron_import():
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     for prefix in prefixes:
         dataset = IndexedDataset(prefix)  # its index is a memory map, closed when the dataset goes
@@ -52,8 +69,9 @@ class IndexedCorpus:
                  train_samples: int, val_samples: int, world_size: int, vocab_size: int, eod: Optional[int],
                  cache_dir: Path):
         try:
-            from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-            from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+            with quiet_megatron_import():
+                from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+                from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
         except ImportError as error:
             raise ConfigError("data.type 'indexed' reads with megatron.core's GPTDataset: "
                               "pip install 'ds_pseudo_real[data]'") from error

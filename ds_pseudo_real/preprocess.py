@@ -191,8 +191,11 @@ class Progress:
 def preprocess(input_path: str, output_prefix: str, tokenizer: str = BYTES, json_key: str = "text",
                workers: int = 1, eod_token: Optional[str] = None, progress_stream=sys.stderr) -> dict:
     """Tokenize ``input_path`` into ``output_prefix``.{bin,idx,json}; returns the description written."""
+    from .indexed_data import quiet_megatron_import
+
     try:
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+        with quiet_megatron_import():
+            from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     except ImportError as error:
         raise PreprocessError("preprocess writes with megatron.core's IndexedDatasetBuilder: "
                               "pip install 'ds_pseudo_real[data]'") from error

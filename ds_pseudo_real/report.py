@@ -1,42 +1,109 @@
-"""The run's loss history: a JSONL log that survives resumes, and the train/validation plot with the switch marked.
+"""The run's loss history: a JSONL log that reads like one run across resumes, monitor CSV files rewound to the step
+a run resumes from, and the train/validation plot with the switch marked.
 
-Owns: appending to ``metrics.jsonl`` (never rewritten), reading its continuous history, and drawing ``loss.png``.
-Knows nothing of engines.
+Owns: writing ``metrics.jsonl``, rewriting a log up to the step a run resumes from (atomically, the lines it drops
+kept in ``<file>.discarded``), reading the continuous history, and drawing ``loss.png``. Knows nothing of engines.
 """
 from __future__ import annotations
 
+import bisect
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional
+
+DISCARDED = ".discarded"  # suffix of the file beside a log that keeps the lines rewinding it dropped
+RESUME = "resume"
 
 
 class MetricsLog:
-    """Append-only JSONL: never rewritten. A run started at step N (resumed, or N = 0 for a fresh start over an old
-    history) appends ``{"event": "resume", "step": N}``; :func:`read_records` then drops the records of steps after
-    N written before it (the tail the checkpoint did not keep), so the history stays continuous."""
+    """JSONL, one record a line. A run started at step N (resumed, or N = 0 for a fresh start over an old history)
+    first rewinds the file to the history up to step N, the records an interrupted run wrote after it moved to
+    ``metrics.jsonl.discarded``, then appends ``{"event": "resume", "step": N}``: every step is in the file once,
+    with the values an uninterrupted run logs."""
 
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.is_file() and self.path.stat().st_size:
-            self._terminate_partial_line()
+            lines = _lines(self.path)
+            records = [_parse(line) for line in lines]
+            rewrite_keeping(self.path, lines, [i for i in _history(records)
+                                               if records[i].get("step", 0) <= resume_step])
             self.write({"event": RESUME, "step": resume_step})
-
-    def _terminate_partial_line(self) -> None:
-        """A crash mid-write can leave the last line unfinished; start the next record on a line of its own."""
-        with open(self.path, "rb") as handle:
-            handle.seek(-1, 2)
-            ends_with_newline = handle.read(1) == b"\n"
-        if not ends_with_newline:
-            with open(self.path, "a") as handle:
-                handle.write("\n")
 
     def write(self, record: Dict) -> None:
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
 
-RESUME = "resume"
+def _lines(path: Path) -> List[str]:
+    """The file's lines, each ending in a newline (a crash mid-write can leave the last one unfinished)."""
+    return [line if line.endswith("\n") else line + "\n" for line in path.read_text().splitlines(keepends=True)]
+
+
+def _parse(line: str) -> Optional[Dict]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _history(records: List[Optional[Dict]]) -> List[int]:
+    """Indices of the records of the continuous history: a resume event at step N drops the records of steps after N
+    written before it (files written before runs rewound them on resume); unreadable lines (None) are left out."""
+    history: List[int] = []
+    for i, record in enumerate(records):
+        if record is None:
+            continue
+        if record.get("event") == RESUME:
+            history = [j for j in history if records[j].get("step", 0) <= record["step"]]
+        history.append(i)
+    return history
+
+
+def rewrite_keeping(path: Path, lines: List[str], kept: List[int]) -> None:
+    """Make ``path`` hold ``lines[i]`` for the indices ``kept`` (in order), atomically (a new file renamed over it);
+    the other lines are appended to ``<path>.discarded`` first, so a crash in between loses none. Nothing changes
+    when every line is kept."""
+    keep = set(kept)
+    dropped = [line for i, line in enumerate(lines) if i not in keep]
+    if not dropped:
+        return
+    with open(path.with_name(path.name + DISCARDED), "a") as backup:
+        backup.writelines(dropped)
+        backup.flush()
+        os.fsync(backup.fileno())
+    handle, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(handle, "w") as out:
+        out.writelines(lines[i] for i in sorted(keep))
+        out.flush()
+        os.fsync(out.fileno())
+    shutil.copymode(path, staged)
+    os.replace(staged, path)
+
+
+def rewind_csv(path: Path, step: int) -> bool:
+    """Rewind a monitor CSV file (a ``step,<name>`` header, then ``step,value`` rows) to its header and its rows up to
+    ``step`` (:func:`rewrite_keeping`). A row whose step is not after the previous row's starts what a later run
+    wrote from that step on, which replaces the earlier rows from there (a file an earlier resume appended to), and a
+    second header is dropped. Returns whether the file has its header."""
+    lines = _lines(path)
+    header, steps, rows = None, [], []  # rows: line indices of the continuous history, steps increasing
+    for i, line in enumerate(lines):
+        first = line.split(",", 1)[0]
+        if first.isdigit():
+            at = bisect.bisect_left(steps, int(first))
+            del steps[at:], rows[at:]
+            steps.append(int(first))
+            rows.append(i)
+        elif header is None and first == "step":
+            header = i
+    rewrite_keeping(path, lines, ([] if header is None else [header]) + [i for s, i in zip(steps, rows) if s <= step])
+    return header is not None
 
 
 def read_records(path: Path, raw: bool = False) -> List[Dict]:
@@ -45,20 +112,10 @@ def read_records(path: Path, raw: bool = False) -> List[Dict]:
     path = Path(path)
     if not path.is_file():
         return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    records = [_parse(line) for line in _lines(path)]
     if raw:
-        return records
-    history: List[Dict] = []
-    for record in records:
-        if record.get("event") == RESUME:
-            history = [r for r in history if r.get("step", 0) <= record["step"]]
-        history.append(record)
-    return history
+        return [record for record in records if record is not None]
+    return [records[i] for i in _history(records)]
 
 
 def plot_history(records: Iterable[Dict], path: Path, title: str = "") -> None:

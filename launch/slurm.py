@@ -11,6 +11,10 @@ one log per rank (``srun --output rank-%t.log``), kills the whole step when one 
 and needs no ssh/pdsh between nodes. A per-node launcher would sit between SLURM and the ranks and have to do each
 of these again.
 
+Before srun, the batch shell runs ``python -m launch.train --check`` on the job's config, rank count and train
+arguments (for the default training script): a config error stops the job there with one ``error:`` line in the
+sbatch log and exit status 2, before any rank starts.
+
 Checkpoint before the end: ``--signal=B:USR1@GRACE`` makes SLURM signal the batch shell GRACE seconds before the
 time limit; the shell forwards SIGUSR1 to srun, which forwards it to every rank; the trainer saves a checkpoint at
 the next step boundary and exits 0. With ``--requeue`` the shell then requeues the job (same job id, same port) if
@@ -126,6 +130,13 @@ class JobSpec:
         return [self.python, str(self.script), "--deepspeed_config", str(self.deepspeed_config),
                 "--output-dir", str(self.output_dir), *self.train_args]
 
+    def check_command(self) -> Optional[List[str]]:
+        """The main job's ``--check`` for this job's ranks and train arguments; None for another training script."""
+        if self.script.resolve() != DEFAULT_SCRIPT.resolve():
+            return None
+        return [self.python, "-m", "launch.train", "--check", str(self.deepspeed_config), "--world-size",
+                str(self.nodes * self.tasks_per_node), *self.train_args]
+
 
 def sbatch_script(spec: JobSpec) -> str:
     """The sbatch script for ``spec`` (pure: same spec, same text)."""
@@ -152,6 +163,7 @@ def sbatch_script(spec: JobSpec) -> str:
             *([f"--cpus-per-task={spec.cpus_per_task}"] if spec.cpus_per_task else [])]
     wrapper = [spec.python, "-m", "launch.dist_env", "--"]
     command_lines = [shlex.join(srun), shlex.join(wrapper), *map(shlex.join, _option_groups(spec.train_command()))]
+    check = spec.check_command()
     lines = [
         "#!/bin/bash",
         "# Written by `python -m launch.slurm submit`; `sbatch` this file again to resume the run from its latest",
@@ -164,6 +176,10 @@ def sbatch_script(spec: JobSpec) -> str:
         'mkdir -p "$RUN_DIR/logs"',
         'LATEST_BEFORE=$(cat "$RUN_DIR/checkpoints/latest" 2>/dev/null)',
         'echo "job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on $SLURM_JOB_NODELIST at $(date -Is)"',
+        *([] if check is None else [
+            "# The whole configuration, checked here before any rank starts: an error is one `error:` line in this log",
+            "# and exit status 2.",
+            shlex.join(check) + ' || exit "$?"']),
         "",
         # srun runs in the background so that the shell's traps fire while the ranks train (bash runs a trap only
         # between commands, and `wait` is interruptible).

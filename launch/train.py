@@ -4,6 +4,7 @@ datasets, pseudo stage -> delink -> real stage.
 Started by the deepspeed launcher (``deepspeed launch/train.py --deepspeed_config configs/tiny_cpu.json``),
 torchrun, srun, or ``ds-pseudo-real train``. Resumes from the newest checkpoint in ``<output-dir>/checkpoints`` that
 verifies (or ``--resume-from``); on SIGUSR1/SIGTERM it saves a checkpoint at the next step boundary and exits 0.
+``python -m launch.train --check CONFIG --world-size N`` runs its start-up validation alone, before any rank starts.
 """
 from __future__ import annotations
 
@@ -14,18 +15,26 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 import ds_pseudo_real
 from ds_pseudo_real.checkpoint import CheckpointError
-from ds_pseudo_real.config import SECTION, ConfigError, check_top_level_keys, load_ds_config, parse_pseudo_to_real
-from ds_pseudo_real.data import BYTE_VOCAB, build_corpus, indexed_vocabulary, parse_data_section
-from ds_pseudo_real.models.build import build_model, model_spec, parameter_groups
+from ds_pseudo_real.config import (
+    SECTION, ConfigError, PseudoToRealConfig, check_top_level_keys, load_ds_config, parse_pseudo_to_real,
+    split_checkpoint_options,
+)
+from ds_pseudo_real.data import BYTE_VOCAB, DataOptions, build_corpus, indexed_vocabulary, parse_data_section
+from ds_pseudo_real.ds_state import MONITOR_SECTIONS, total_parameter_numel
+from ds_pseudo_real.models.build import ModelSpec, build_model, model_spec, parameter_groups
+from ds_pseudo_real.offload.config import gradient_accumulation_steps, parse_granular_offload
 from ds_pseudo_real.report import MetricsLog, plot_history, read_records
 
 DEFAULT_STEPS = 600
@@ -56,9 +65,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="sequence length (default: the model section's, else 128)")
     parser.add_argument("--corpus-bytes", type=int, default=None,
                         help="bytes of training text the byte corpus loads (default: data.max_bytes, else 8 MiB)")
+    parser.add_argument("--check", default=None, metavar="CONFIG",
+                        help="validate CONFIG with the model and run flags given as the job does at start, for "
+                             "--world-size ranks, without starting a rank or building anything; print one line and "
+                             "exit 0, or the error and exit 2")
+    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+                        help="with --check: the ranks the job will run on (default: $WORLD_SIZE, else 1)")
     args = parser.parse_args(argv)
+    if args.check:
+        if args.deepspeed_config and args.deepspeed_config != args.check:
+            parser.error(f"--check {args.check} and --deepspeed_config {args.deepspeed_config}: give the config once")
+        args.deepspeed_config = args.check
     if not args.deepspeed_config:
         parser.error("--deepspeed_config is required (e.g. configs/tiny_cpu.json)")
+    if args.world_size < 1:
+        parser.error(f"--world-size must be >= 1, got {args.world_size}")
     if args.no_resume and args.resume_from:
         parser.error("--no-resume and --resume-from contradict each other: give one")
     for flag in ("steps", "eval_interval", "eval_batches", "log_interval", "n_layer", "d_model", "n_head", "seq_len"):
@@ -80,13 +101,30 @@ class StopOnSignal:
         self.received = signal.Signals(signum).name
 
 
-def batch_shape(ds_config: dict):
-    """The micro batch per rank and the gradient accumulation steps, resolved by DeepSpeed's own config rules (from
-    any two of train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps and the world size)."""
+def batch_shape(ds_config: dict, world_size: int) -> Tuple[int, int]:
+    """The micro batch per rank and the gradient accumulation steps on ``world_size`` ranks (from any two of
+    train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps, by DeepSpeed 0.19.8's rule as
+    ``offload.config.gradient_accumulation_steps`` states it), and DeepSpeed's own sections validated by its config
+    class. That class takes the world size from the process group, which ``--check`` has not: it is given the micro
+    batch and accumulation steps resolved here, and derives train_batch_size from them."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    resolved = DeepSpeedConfig(copy.deepcopy(ds_config))
-    return resolved.train_micro_batch_size_per_gpu, resolved.gradient_accumulation_steps
+    gas = gradient_accumulation_steps(ds_config, world_size)
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    if micro is None:
+        if ds_config.get("train_batch_size") is None:
+            raise ConfigError("invalid config:\n  train_micro_batch_size_per_gpu: missing; give it or "
+                              "train_batch_size (DeepSpeed needs one)")
+        micro = ds_config["train_batch_size"] // (gas * world_size)
+    resolved = {key: value for key, value in copy.deepcopy(ds_config).items() if key != "train_batch_size"}
+    try:
+        DeepSpeedConfig({**resolved, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas})
+    except ValidationError as error:  # a DeepSpeed section's model, e.g. DeepSpeedZeroConfig for zero_optimization
+        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})" for e in error.errors()]
+        raise ConfigError(f"invalid config: DeepSpeed's {error.title} refuses\n  " + "\n  ".join(problems)) from None
+    except (ValueError, AssertionError) as error:
+        raise ConfigError(f"invalid config: DeepSpeed refuses it: {error}") from None
+    return micro, gas
 
 
 def default_steps(ds_config: dict) -> int:
@@ -129,14 +167,11 @@ def format_seconds(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
-
-
 def default_monitor_paths(ds_config: dict, out: Path) -> List[str]:
     """DeepSpeed's monitors enabled in the config; tensorboard and csv_monitor write under the run folder unless
     their section gives an ``output_path``."""
     enabled = []
-    for name in MONITORS:
+    for name in MONITOR_SECTIONS:
         section = ds_config.get(name)
         if isinstance(section, dict) and section.get("enabled"):
             enabled.append(name)
@@ -169,31 +204,69 @@ def single_process_defaults() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def train(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
+@dataclass
+class Job:
+    """What the job will run, read from the config and the flags, every part validated."""
+
+    ds_config: dict
+    ptr: PseudoToRealConfig
+    steps: int
+    data: DataOptions
+    vocab: int
+    eod: Optional[int]
+    spec: ModelSpec
+    micro: int
+    gas: int
+
+    def describe(self, world: int) -> str:
+        switch = "Pseudo-to-Real off" if not self.ptr.enabled else \
+            f"stages (layers, parameter groups) {self.ptr.stages(self.spec.num_layers)}"
+        return (f"{self.spec.describe()}; data: {self.data.describe()}; {self.steps} steps of {self.micro} x {self.gas} "
+                f"x {world} sequences; {switch}")
+
+
+def read_job(args: argparse.Namespace, world: int) -> Job:
+    """Everything the job checks before it builds anything, for ``world`` ranks: the sections of the config (the
+    plugin's, the main job's and DeepSpeed's own), the data files and their vocabulary, the model and the batch.
+    Every problem is a ConfigError; the same code runs in every rank and in ``--check``."""
+    ds_config = load_ds_config(args.deepspeed_config)
+    check_top_level_keys(ds_config)
+    ptr = parse_pseudo_to_real(ds_config)
+    parse_granular_offload(ds_config)
+    split_checkpoint_options(ds_config)
+    data = parse_data_section(ds_config)
+    vocab, eod = (BYTE_VOCAB, None) if data.type == "byte_corpus" else indexed_vocabulary(data)
+    flags = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "seq_len": args.seq_len}
+    spec = model_spec(ds_config, flags, vocab_size=vocab, world_size=world, groups=ptr.groups if ptr.enabled else 1,
+                      eod=eod)
+    if ptr.enabled:
+        ptr.stages(spec.num_layers)  # a progressive schedule's stages, checked before the model is built
+    micro, gas = batch_shape(ds_config, world)
+    return Job(ds_config, ptr, args.steps or default_steps(ds_config), data, vocab, eod, spec, micro, gas)
+
+
+def check(args: argparse.Namespace) -> int:
+    """``--check``: the job's start-up validation for ``--world-size`` ranks, in this process alone."""
+    job = read_job(args, args.world_size)
+    print(f"ok: {args.deepspeed_config} on {args.world_size} ranks: {job.describe(args.world_size)}", flush=True)
+    return 0
+
+
+def train(args: argparse.Namespace) -> int:
     stopper = StopOnSignal()  # first: a preemption during start-up must not kill the rank without a checkpoint
     single_process_defaults()
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"rank {rank}/{world} started on {os.uname().nodename}", flush=True)
-    ds_config = load_ds_config(args.deepspeed_config)
-    check_top_level_keys(ds_config)
-    ptr = parse_pseudo_to_real(ds_config)
-    steps = args.steps or default_steps(ds_config)
+    job = read_job(args, world)
+    ds_config, spec, steps, micro, gas = job.ds_config, job.spec, job.steps, job.micro, job.gas
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     ckpt_dir = out / "checkpoints"
-    data = parse_data_section(ds_config)
-    vocab, eod = (BYTE_VOCAB, None) if data.type == "byte_corpus" else indexed_vocabulary(data)
-    flags = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "seq_len": args.seq_len}
-    spec = model_spec(ds_config, flags, vocab_size=vocab, world_size=world, groups=ptr.groups if ptr.enabled else 1)
-    if ptr.enabled:
-        ptr.stages(spec.num_layers)  # a progressive schedule's stages, checked before the model is built
-    micro, gas = batch_shape(ds_config)
     if rank == 0:
-        print(f"data: {data.describe()}", flush=True)
-    corpus = build_corpus(data, seq_len=spec.seq_len, seed=args.seed, train_samples=steps * gas * micro * world,
+        print(f"data: {job.data.describe()}", flush=True)
+    corpus = build_corpus(job.data, seq_len=spec.seq_len, seed=args.seed, train_samples=steps * gas * micro * world,
                           val_samples=args.eval_batches * micro * world, world_size=world,
-                          cache_dir=out / "data_cache", vocab_size=vocab, eod=eod,
+                          cache_dir=out / "data_cache", vocab_size=job.vocab, eod=job.eod,
                           max_bytes=args.corpus_bytes)
     if rank == 0 and hasattr(corpus, "describe"):
         print(corpus.describe(), flush=True)
@@ -206,7 +279,9 @@ def train(argv: Optional[List[str]] = None) -> int:
     model = build_model(spec, seed=args.seed)
     engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=ds_config, model_parameters=parameter_groups(spec))
     if not args.no_resume:
-        engine.load_checkpoint(str(ckpt_dir), tag=args.resume_from)
+        engine.load_checkpoint(str(ckpt_dir), tag=args.resume_from)  # rewinds the monitors to where it resumes
+    else:
+        engine.rewind_monitors()
     start_step = engine.global_steps
     seq_len = spec.seq_len
     resolved = (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
@@ -215,9 +290,11 @@ def train(argv: Optional[List[str]] = None) -> int:
                            f"resolved {resolved[0]} x {resolved[1]}")
     tokens_per_step = micro * gas * seq_len * world
     log = MetricsLog(out / "metrics.jsonl", resume_step=start_step) if rank == 0 else None
+    total = total_parameter_numel(engine.module)  # collective
     if rank == 0:
         print(f"training {steps} steps from step {start_step}: {tokens_per_step} tokens/step, stage {engine.stage}, "
-              f"{ds_pseudo_real.parameter_count(engine.module):,} parameters, output {out}", flush=True)
+              f"{ds_pseudo_real.parameter_count(engine.module):,} parameters per rank, {total:,} in total, output "
+              f"{out}", flush=True)
 
     seen_transition = engine.last_transition
     window_start, window_steps = time.perf_counter(), 0
@@ -243,7 +320,7 @@ def train(argv: Optional[List[str]] = None) -> int:
         events = {"train_loss": train_loss, "stage": 0.0 if stage == "pseudo" else 1.0}
         if engine.last_transition is not seen_transition:
             seen_transition = engine.last_transition
-            events["delink"] = float(seen_transition["parameters_after"])
+            events["delink"] = float(seen_transition["parameters_after_total"])
             if log:
                 event = {k: v for k, v in seen_transition.items() if not k.startswith("offload_plan")}
                 log.write({"event": "delink", **event})
@@ -283,16 +360,20 @@ def train(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+@record  # torch elastic: an exception that ends a rank goes into torchrun's failure summary as its root cause
 def main(argv: Optional[List[str]] = None) -> int:
-    """``train``, with the plugin's errors as one message from rank 0 (every rank stops with exit status 2).
+    """``train`` (or ``check``), with the plugin's errors as one message from rank 0 (every rank stops with exit
+    status 2; under torchrun the error is also its failure summary's root cause).
 
     The process group is destroyed before returning, however ``train`` ends: left to the interpreter's teardown,
     gloo's worker threads can free tensors after Python has gone and abort a rank (SIGABRT) whose run passed."""
     try:
-        return train(argv)
+        args = parse_args(argv)
+        return check(args) if args.check else train(args)
     except (CheckpointError, ConfigError) as error:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
+        get_error_handler().record_exception(error)  # into $TORCHELASTIC_ERROR_FILE when torchrun set it
         return 2
     finally:
         if dist.is_initialized():

@@ -2,7 +2,7 @@
 verifies is resumed (with the uninterrupted run's losses); none that verifies stops with every reason; stale
 partial folders go at start; a full disk names the file and the last good checkpoint; retention keeps the last N
 and the last pseudo-stage one; a world size or ZeRO stage that cannot load says what to run; the metrics history
-is appended to, never rewritten."""
+is rewound to the step a run resumes from, what it drops kept aside."""
 import json
 import os
 import shutil
@@ -15,7 +15,7 @@ import torch
 from ds_pseudo_real import checkpoint as ckpt
 from ds_pseudo_real import ds_state
 from ds_pseudo_real.config import ConfigError, split_checkpoint_options
-from ds_pseudo_real.report import MetricsLog, read_records
+from ds_pseudo_real.report import MetricsLog, read_records, rewind_csv
 from conftest import run_two_ranks
 from test_checkpoints import TOTAL, logits, make, train
 
@@ -163,25 +163,46 @@ def test_checkpoint_options_are_validated_and_removed_from_deepspeeds_section():
         split_checkpoint_options({"checkpoint": {"keep_last": 0}})
 
 
-def test_metrics_history_is_appended_never_rewritten(tmp_path):
+def test_metrics_history_is_rewound_to_the_resumed_step_keeping_what_it_drops(tmp_path):
     path = tmp_path / "metrics.jsonl"
     log = MetricsLog(path)
     for step in range(1, 6):
         log.write({"step": step, "train_loss": 5.0 - step})
     with open(path, "a") as handle:
         handle.write('{"step": 6, "train_lo')  # a crash mid-line
-    before = path.read_bytes()
+    before = path.read_text().splitlines()
     log = MetricsLog(path, resume_step=3)  # the checkpoint kept steps 1..3
     for step in range(4, 7):
         log.write({"step": step, "train_loss": 10.0 + step})
-    assert path.read_bytes().startswith(before)
-    history = read_records(path)
-    assert [r["step"] for r in history if "train_loss" in r] == [1, 2, 3, 4, 5, 6]
-    assert [r["train_loss"] for r in history if "train_loss" in r][2:] == [2.0, 14.0, 15.0, 16.0]
-    assert {"event": "resume", "step": 3} in history
-    assert len([r for r in read_records(path, raw=True) if "train_loss" in r]) == 8
+    written = [json.loads(line) for line in path.read_text().splitlines()]  # each step once, as written
+    assert [r["step"] for r in written if "train_loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["train_loss"] for r in written if "train_loss" in r][2:] == [2.0, 14.0, 15.0, 16.0]
+    assert {"event": "resume", "step": 3} in written and read_records(path) == written
+    assert (tmp_path / "metrics.jsonl.discarded").read_text().splitlines() == before[3:]  # the tail, kept aside
+    assert not [p.name for p in tmp_path.iterdir() if p.name not in ("metrics.jsonl", "metrics.jsonl.discarded")]
     MetricsLog(path, resume_step=0)  # --no-resume: an explicit fresh start supersedes everything
-    assert [r for r in read_records(path) if "train_loss" in r] == []
+    assert [r for r in read_records(path) if "train_loss" in r] == [] == [
+        r for r in read_records(path, raw=True) if "train_loss" in r]
+    assert len((tmp_path / "metrics.jsonl.discarded").read_text().splitlines()) == 3 + 7  # then the whole file
+
+
+def test_history_written_before_rewinding_reads_and_rewinds_as_one_run(tmp_path):
+    """A metrics.jsonl that an earlier version appended to across a resume, and a monitor CSV file that DeepSpeed
+    appended to (a second header, steps again): read, and rewound, as the continuous history."""
+    path = tmp_path / "metrics.jsonl"
+    old = [{"step": s, "train_loss": float(s)} for s in (1, 2, 3, 4)] + [{"event": "resume", "step": 2}] + [
+        {"step": s, "train_loss": 10.0 + s} for s in (3, 4, 5)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    assert [r["train_loss"] for r in read_records(path) if "train_loss" in r] == [1.0, 2.0, 13.0, 14.0, 15.0]
+    MetricsLog(path, resume_step=4)
+    assert [r.get("train_loss", r.get("event")) for r in read_records(path, raw=True)] == [
+        1.0, 2.0, "resume", 13.0, 14.0, "resume"]
+    csv = tmp_path / "Train_Samples_loss.csv"
+    csv.write_text("step,loss\n8,1.0\n16,2.0\n24,3.0\nstep,loss\n16,2.5\n24,3.5\n32,4.")
+    assert rewind_csv(csv, 24)
+    assert csv.read_text() == "step,loss\n8,1.0\n16,2.5\n24,3.5\n"
+    assert (tmp_path / "Train_Samples_loss.csv.discarded").read_text() == "16,2.0\n24,3.0\nstep,loss\n32,4.\n"
+    assert rewind_csv(csv, 24) and csv.read_text() == "step,loss\n8,1.0\n16,2.5\n24,3.5\n"  # nothing more
 
 
 # ---- through the controller -----------------------------------------------------------------------------------

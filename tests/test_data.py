@@ -48,6 +48,8 @@ def test_preprocess_bytes_writes_a_dataset_megatron_core_reads(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "documents/s" in proc.stderr and "100%" in proc.stderr  # the progress bar
     assert "4 documents" in proc.stdout
+    # nothing else: megatron-core's import-time notes that Transformer Engine and Apex are missing say nothing here
+    assert [line for line in proc.stderr.splitlines() if "documents/s" not in line] == []
     dataset = IndexedDataset(str(tmp_path / "out" / "docs"))
     texts = [t for t in DOCS if t]  # the blank line is no document
     assert len(dataset) == 4 and dataset.document_indices.tolist() == [0, 1, 2, 3, 4]
@@ -57,6 +59,24 @@ def test_preprocess_bytes_writes_a_dataset_megatron_core_reads(tmp_path):
     meta = json.loads((tmp_path / "out" / "docs.json").read_text())
     assert meta["vocab_size"] == 257 and meta["eod"] == 256 and meta["tokenizer"] == "bytes"
     assert meta["documents"] == 4 and meta["tokens"] == sum(len(t.encode()) + 1 for t in texts)
+
+
+def test_only_megatrons_known_import_notes_are_silenced():
+    import warnings
+
+    from ds_pseudo_real.indexed_data import quiet_megatron_import
+
+    note = "Transformer Engine and Apex are not installed. Falling back to Torch optimizers."
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with quiet_megatron_import():
+            warnings.warn_explicit(note, UserWarning, "optimizer/__init__.py", 24, module="megatron.core.optimizer")
+            warnings.warn_explicit(note, UserWarning, "elsewhere.py", 1, module="some_other_package")
+            warnings.warn_explicit("index file is stale", UserWarning, "x.py", 1, module="megatron.core.datasets")
+            warnings.warn_explicit(note, DeprecationWarning, "x.py", 1, module="megatron.core.optimizer")
+        warnings.warn_explicit(note, UserWarning, "optimizer/__init__.py", 24, module="megatron.core.optimizer")
+    assert [(str(w.message), w.category) for w in shown] == [
+        (note, UserWarning), ("index file is stale", UserWarning), (note, DeprecationWarning), (note, UserWarning)]
 
 
 def test_preprocess_with_a_local_tokenizer_json_and_workers_is_identical(tmp_path):
@@ -116,6 +136,16 @@ def test_data_section_errors_name_the_key(section, message):
     with pytest.raises(ConfigError) as error:
         parse_data_section({"data": section})
     assert message in str(error.value)
+
+
+def test_a_prefix_not_found_names_the_absolute_paths_tried(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        indexed_vocabulary(DataOptions("indexed", prefixes=["data/corpus", str(tmp_path / "abs")]))
+    assert (f"data: data/corpus.bin and data/corpus.idx missing (looked for {tmp_path}/data/corpus.bin and "
+            f"{tmp_path}/data/corpus.idx: a relative prefix is read from the working directory, {tmp_path}, not "
+            f"from the config's folder; a dataset is PREFIX.bin") in str(error.value)
+    assert f"data: {tmp_path}/abs.bin and {tmp_path}/abs.idx missing (a dataset is" in str(error.value)
 
 
 def test_data_section_forms():

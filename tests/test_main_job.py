@@ -62,10 +62,11 @@ def test_main_job_resumes_from_a_chosen_checkpoint_keeps_history_and_never_start
     out = tmp_path / "run"
     config = str(tiny_config(tmp_path, steps=18, switch=9))
     run_single("--deepspeed_config", config, "--output-dir", str(out), *TINY, "--save-interval", "6")
-    first = (out / "metrics.jsonl").read_bytes()
+    first = (out / "metrics.jsonl").read_text().splitlines()
     log = run_single("--deepspeed_config", config, "--output-dir", str(out), *TINY, "--resume-from", "global_step6")
     assert "at step 6 (pseudo stage)" in log and "rank 0 finished at step 18 stage real" in log
-    assert (out / "metrics.jsonl").read_bytes().startswith(first)  # appended to, never rewritten
+    assert (out / "metrics.jsonl").read_text().splitlines()[:6] == first[:6]  # rewound to step 6 ...
+    assert (out / "metrics.jsonl.discarded").read_text().splitlines() == first[6:]  # ... the rest kept aside
     history = records(out)
     assert [r["step"] for r in history if "train_loss" in r] == list(range(1, 19))
     assert [r["step"] for r in history if r.get("event") == "delink"] == [9]

@@ -61,8 +61,12 @@ def test_m6_on_two_ranks_spreads_the_experts(tmp_path):
     assert "expert_parallel 2" in proc.stdout
     assert "rank 0 finished at step 8 stage real" in proc.stdout and "rank 1 finished at step 8 stage real" in proc.stdout
     delink = [r for r in read_records(out / "metrics.jsonl") if r.get("event") == "delink"][0]
-    # Each rank holds half of every layer's experts.
+    # Each rank holds half of every layer's experts; the model has them all.
     assert (delink["parameters_before"], delink["parameters_after"]) == (m6_parameters(1, 2), m6_parameters(4, 2))
+    assert (delink["parameters_before_total"], delink["parameters_after_total"]) == (m6_parameters(1), m6_parameters(4))
+    assert (f"parameters per rank {m6_parameters(1, 2):,} -> {m6_parameters(4, 2):,}, in total {m6_parameters(1):,} -> "
+            f"{m6_parameters(4):,}; ") in proc.stdout
+    assert f"stage pseudo, {m6_parameters(1, 2):,} parameters per rank, {m6_parameters(1):,} in total" in proc.stdout
 
 
 def test_hugging_face_gpt2_from_a_local_config(tmp_path):
@@ -74,8 +78,11 @@ def test_hugging_face_gpt2_from_a_local_config(tmp_path):
     path = tmp_path / "hf.json"
     path.write_text(json.dumps(cfg))
     out = tmp_path / "hf"
-    log = run_job("--deepspeed_config", str(path), "--output-dir", str(out), "--seq-len", "32", *RUN).stdout
+    proc = run_job("--deepspeed_config", str(path), "--output-dir", str(out), "--seq-len", "32", *RUN)
+    log = proc.stdout
     assert "model: hf model, 4 layers, sequence 32, vocabulary 256, model_type gpt2" in log
+    # GPT-2's default bos/eos (50256) are not left in a 256-token vocabulary: the byte corpus has no such token
+    assert "token_id must be" not in proc.stdout + proc.stderr
     delink = [r for r in read_records(out / "metrics.jsonl") if r.get("event") == "delink"][0]
     import transformers
 
@@ -84,6 +91,49 @@ def test_hugging_face_gpt2_from_a_local_config(tmp_path):
     block = sum(p.numel() for p in real.transformer.h[0].parameters())
     assert delink["parameters_after"] == sum(p.numel() for p in real.parameters())
     assert delink["parameters_after"] - delink["parameters_before"] == 3 * block
+
+
+def test_a_presets_vocabulary_replaced_by_the_datas_is_said_with_both_numbers():
+    from ds_pseudo_real.models.build import model_spec
+
+    replaced = model_spec({"m6": {"preset": "m6-tiny"}}, {}, vocab_size=257, world_size=1)
+    assert replaced.vocab_size == 257
+    assert "vocabulary 257 (the data's tokenizer's, in place of the preset m6-tiny's 128)" in replaced.describe()
+    for section, data_vocab in (({"preset": "m6-tiny", "vocab_size": 300}, 257), ({"preset": "m6-tiny"}, 128)):
+        spec = model_spec({"m6": section}, {}, vocab_size=data_vocab, world_size=1)
+        assert f"vocabulary {spec.vocab_size}, preset" in spec.describe()
+
+
+def test_an_hf_config_dict_takes_its_special_tokens_from_the_data():
+    pytest.importorskip("transformers", reason="the hf model section needs transformers")
+    from ds_pseudo_real.models.build import model_spec
+
+    gpt2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 257}
+    config = model_spec({"hf": {"config": gpt2}}, {}, vocab_size=257, world_size=1, eod=256).options["hf_config"]
+    assert (config.bos_token_id, config.eos_token_id) == (256, 256)  # the end-of-document token, as GPT-2's
+    given = model_spec({"hf": {"config": {**gpt2, "eos_token_id": 3}}}, {}, vocab_size=257, world_size=1, eod=256)
+    assert (given.options["hf_config"].bos_token_id, given.options["hf_config"].eos_token_id) == (256, 3)
+
+
+def test_hf_config_folder_that_is_not_there_is_named_and_never_looked_up_on_the_hub(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers", reason="the hf model section needs transformers")
+    from ds_pseudo_real.models.build import model_spec
+
+    folder = tmp_path / "gpt2-small"
+    transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=300).save_pretrained(folder)
+    spec = model_spec({"hf": {"config": str(folder)}}, {}, vocab_size=256, world_size=1)
+    assert (spec.num_layers, spec.vocab_size) == (3, 300)
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError(f"transformers asked for {args}")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_lookup)
+    monkeypatch.chdir(tmp_path)
+    for given in ("models/gpt2-small", str(tmp_path / "missing")):
+        with pytest.raises(ConfigError) as error:
+            model_spec({"hf": {"config": given}}, {}, vocab_size=256, world_size=1)
+        assert str(error.value).startswith(f"hf.config: no such folder {given} ({tmp_path / given}: a relative path "
+                                           f"is read from the working directory)")
 
 
 @pytest.mark.parametrize("change, message", [
@@ -101,6 +151,56 @@ def test_config_errors_stop_before_the_model_with_one_message(tmp_path, change, 
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in proc.stderr and "Traceback" not in proc.stderr
     assert "model:" not in proc.stdout and not out.exists()  # nothing built, nothing written
+
+
+def test_check_validates_the_config_on_the_given_ranks_without_starting_one(tmp_path):
+    """``--check CONFIG`` runs the job's own validation for ``--world-size`` ranks and builds nothing: one ``error:``
+    line and exit 2 for what would stop the job (DeepSpeed's own sections and batch arithmetic included), one ``ok:``
+    line and exit 0 otherwise."""
+    def config(name, **sections):
+        (tmp_path / name).mkdir()
+        return m6_config(tmp_path / name, **sections)
+
+    spread = config("spread", m6={"preset": "m6-tiny", "expert_parallel": 2})
+    lines = run_job("--check", str(spread), "--world-size", "2", "--seq-len", "16").stdout.splitlines()
+    ok = [line for line in lines if not line.startswith("[20")]  # DeepSpeed's logger says which accelerator
+    assert len(ok) == 1 and ok[0].startswith(f"ok: {spread} on 2 ranks: m6 model, 4 layers, sequence 16, "), ok
+    assert "expert_parallel 2" in ok[0] and "600 steps" not in ok[0] and "8 steps of 4 x 1 x 2 sequences" in ok[0]
+    assert "vocabulary 256 (the data's tokenizer's, in place of the preset m6-tiny's 128)" in ok[0]
+    cases = [
+        (spread, "3", "error: m6.expert_parallel: got 2; it must divide both the 8 experts and the 3 ranks"),
+        (config("zero", zero_optimization={"stage": 1, "reduce_bucket": 5}), "1",
+         "error: invalid config: DeepSpeed's DeepSpeedZeroConfig refuses\n  reduce_bucket: Extra inputs are not "
+         "permitted (got 5)"),
+        (config("batch", train_batch_size=32), "3", "train_batch_size: got 32, but train_micro_batch_size_per_gpu 4"
+         " x gradient_accumulation_steps 1 x data-parallel size 3 = 12"),
+    ]
+    for config, world, message in cases:
+        proc = run_job("--check", str(config), "--world-size", world, expect=2)
+        assert len([line for line in proc.stderr.splitlines() if line.startswith("error:")]) == 1, proc.stderr
+        assert message in proc.stderr and "Traceback" not in proc.stderr and "ok:" not in proc.stdout
+
+
+def test_config_error_under_torchrun_names_its_cause_in_torchruns_summary(tmp_path):
+    """torchrun turns a rank's exit status 2 into its own ChildFailedError (exit 1); the entry point is recorded
+    (torch elastic's ``@record``), so the summary's root cause is the error, not an empty one."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(REPO / "launch" / "train.py"), "--deepspeed_config",
+                           str(m6_config(tmp_path, pseudo_to_reel={})), "--output-dir", str(tmp_path / "run")],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == ["error: invalid config:"]
+    root_cause = proc.stderr[proc.stderr.index("Root Cause (first observed failure):"):]
+    assert "exitcode  : 2" in root_cause and "To enable traceback see" not in root_cause
+    assert "ConfigError: invalid config:" in root_cause and "pseudo_to_reel: unknown top-level key" in root_cause
 
 
 def test_without_the_section_the_job_says_pseudo_to_real_is_off(tmp_path):
@@ -153,3 +253,45 @@ def test_shipped_configs_are_accepted_by_the_main_job(name):
     if "m6" in cfg:
         assert spec.kind == "m6" and spec.options["preset"] == cfg["m6"]["preset"]
         assert spec.options["expert_parallel"] == world
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.json")
+                                        if "granular_offload" in json.loads(p.read_text())))
+def test_shipped_configs_plan_the_model_the_main_job_trains(name):
+    """What ``ds-pseudo-real plan`` plans for a shipped config (its ``granular_offload.model``, or its m6 section's
+    architecture) is the model the main job builds from that config on the ranks it is written for, data included
+    (built here on the meta device): the same layers, parameters per layer, experts per layer and other parameters
+    per rank. For the configs this CPU machine runs, the job's plans for that model fit the config's budget in every
+    stage (the pseudo model's at start, the real model's at the delink); the large ones' plans are the plan
+    command's (tests/offload/test_config_cli.py)."""
+    from ds_pseudo_real.models.build import build_model
+    from ds_pseudo_real.offload import model_groups
+    from ds_pseudo_real.offload.cli import m6_model_size
+    from ds_pseudo_real.offload.config import parse_granular_offload, training_setup
+    from ds_pseudo_real.offload.planner import PlacementLevel, plan_placement
+    from ds_pseudo_real.sharing import apply_sharing
+    from launch.train import parse_args, read_job
+
+    cfg = json.loads((REPO / "configs" / name).read_text())
+    world = cfg.get("m6", {}).get("expert_parallel", 1)
+    job = read_job(parse_args(["--check", str(REPO / "configs" / name), "--world-size", str(world)]), world)
+    with torch.device("meta"):
+        model = build_model(job.spec)
+    sizes, _ = model_groups(model, job.spec.layers, world)
+    dense = [s.numel for s in sizes if s.name.startswith("layer") and not s.is_experts]
+    experts = [s.numel for s in sizes if s.is_experts] or [0]
+    built = (len(dense), set(dense), set(experts), sum(s.numel for s in sizes if s.name == "other"))
+    section = parse_granular_offload(cfg)
+    planned = m6_model_size(cfg["m6"], section.model) if "m6" in cfg else section.model
+    assert built == (planned.num_layers, {planned.layer_params}, {planned.expert_params}, planned.other_params)
+
+    if "tiny" not in name:
+        return
+    setup = training_setup(cfg, section, world, job.spec.num_layers, "cpu")
+    layers = job.spec.num_layers
+    stages = [groups for _, groups in job.ptr.stages(layers)] if job.ptr.enabled else [layers]
+    for groups in reversed(stages):  # the real model first, then it is shared into the pseudo model
+        apply_sharing(model, job.spec.layers, groups)
+        plan = plan_placement(model_groups(model, job.spec.layers, world)[0], setup, section.device_memory,
+                              PlacementLevel(section.max_level))
+        assert plan.fits()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError
-from ..moe.architecture import M6Architecture, architecture_from_dict
+from ..moe.architecture import PRESETS, M6Architecture, architecture_from_dict
 from ..sharing import sharing_groups
 from .gpt import GPT, GPTConfig
 
@@ -39,18 +40,22 @@ class ModelSpec:
     vocab_size: int
     layers: str = "layers"
     options: Dict[str, Any] = field(default_factory=dict)
+    preset_vocab_size: Optional[int] = None  # a preset's vocabulary the data's replaced
 
     def describe(self) -> str:
         extra = ", ".join(f"{k} {v}" for k, v in self.options.items()
                           if k not in ("arch", "hf_config") and not (k == CHECKPOINT_KEY and not v))
-        return f"{self.kind} model, {self.num_layers} layers, sequence {self.seq_len}, vocabulary {self.vocab_size}" + (
+        vocabulary = f"vocabulary {self.vocab_size}" + ("" if self.preset_vocab_size is None else (
+            f" (the data's tokenizer's, in place of the preset {self.options['preset']}'s {self.preset_vocab_size})"))
+        return f"{self.kind} model, {self.num_layers} layers, sequence {self.seq_len}, {vocabulary}" + (
             f", {extra}" if extra else "")
 
 
 def model_spec(ds_config: Mapping[str, Any], flags: Mapping[str, Optional[int]], vocab_size: int,
-               world_size: int, groups: int = 1) -> ModelSpec:
+               world_size: int, groups: int = 1, eod: Optional[int] = None) -> ModelSpec:
     """Validate the model sections of ``ds_config`` (flags given on the command line win over the ``gpt`` section)
-    and that ``groups`` (``pseudo_to_real.groups``) divides the layer count."""
+    and that ``groups`` (``pseudo_to_real.groups``) divides the layer count. ``vocab_size`` and ``eod`` (the
+    end-of-document id, None for the byte corpus) are the data's."""
     chosen = [s for s in MODEL_SECTIONS if s in ds_config]
     if len(chosen) > 1:
         raise ConfigError(f"the config has the model sections {chosen}; give one of {list(MODEL_SECTIONS)}")
@@ -63,7 +68,7 @@ def model_spec(ds_config: Mapping[str, Any], flags: Mapping[str, Optional[int]],
     if not isinstance(checkpoint, bool):
         raise ConfigError(f"{kind}.{CHECKPOINT_KEY}: got {checkpoint!r}; expected true or false")
     _check_activation_checkpointing(ds_config, kind, checkpoint)
-    spec = {"gpt": _gpt_spec, "m6": _m6_spec, "hf": _hf_spec}[kind](section, flags, vocab_size, world_size)
+    spec = {"gpt": _gpt_spec, "m6": _m6_spec, "hf": _hf_spec}[kind](section, flags, vocab_size, world_size, eod)
     spec.options[CHECKPOINT_KEY] = checkpoint
     sharing_groups(spec.num_layers, groups)
     return spec
@@ -90,7 +95,7 @@ def _check_activation_checkpointing(ds_config: Mapping[str, Any], kind: str, che
                 f"{'recomputes' if checkpoint else 'keeps'} them; make the two agree")
 
 
-def _gpt_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -> ModelSpec:
+def _gpt_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int, eod: Optional[int]) -> ModelSpec:
     unknown = sorted(set(section) - set(GPT_KEYS))
     if unknown:
         raise ConfigError(f"gpt: unknown key(s) {unknown}; accepted: {[*GPT_KEYS, CHECKPOINT_KEY]}")
@@ -105,12 +110,15 @@ def _gpt_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) 
     return ModelSpec("gpt", values["n_layer"], values["seq_len"], vocab_size, options=values)
 
 
-def _m6_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -> ModelSpec:
+def _m6_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int, eod: Optional[int]) -> ModelSpec:
     run = {key: section.pop(key, default) for key, default in M6_RUN_KEYS.items()}
     if flags.get("seq_len") is not None:
         section["seq_length"] = flags["seq_len"]
     if "vocab_size" in section and section["vocab_size"] < vocab_size:
         raise ConfigError(f"m6.vocab_size: got {section['vocab_size']}; the data's tokenizer has {vocab_size} tokens")
+    preset = PRESETS.get(section["preset"]) if isinstance(section.get("preset"), str) else None
+    replaced = preset.vocab_size if preset and "vocab_size" not in section and preset.vocab_size != vocab_size \
+        else None
     section.setdefault("vocab_size", vocab_size)
     try:
         arch = architecture_from_dict(section)
@@ -125,10 +133,10 @@ def _m6_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -
                           f"the {world_size} ranks (accepted: {accepted})")
     return ModelSpec("m6", arch.num_layers, arch.seq_length, arch.vocab_size,
                      options={"preset": arch.name, "expert_parallel": ep, "capacity_factor": run["capacity_factor"],
-                              "balance_coeff": run["balance_coeff"], "arch": arch})
+                              "balance_coeff": run["balance_coeff"], "arch": arch}, preset_vocab_size=replaced)
 
 
-def _hf_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -> ModelSpec:
+def _hf_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int, eod: Optional[int]) -> ModelSpec:
     unknown = sorted(set(section) - {"config", "layers"})
     if unknown or "config" not in section:
         raise ConfigError(f"hf: got keys {sorted(section)}; expected 'config' (a dict for transformers.AutoConfig."
@@ -139,11 +147,17 @@ def _hf_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int) -
     except ImportError:
         raise ConfigError("hf: needs Hugging Face transformers: pip install 'ds_pseudo_real[hf]'") from None
     raw = section["config"]
+    if isinstance(raw, str) and not os.path.exists(raw):  # never handed on: transformers would take it for a Hub id
+        raise ConfigError(f"hf.config: no such folder {raw} ({os.path.abspath(raw)}: a relative path is read from the "
+                          f"working directory); give a local folder with a config.json, or the config itself as a "
+                          f"dict with model_type (the job never downloads one)")
     try:
         if isinstance(raw, str):
             config = transformers.AutoConfig.from_pretrained(raw, local_files_only=True)
         else:
-            raw = dict(raw)
+            # the data's end-of-document token, not the model type's default ids (GPT-2's 50256 is outside any
+            # smaller vocabulary), where the dict gives none: GPT-2 begins and ends its documents with it
+            raw = {"bos_token_id": eod, "eos_token_id": eod, **raw}
             config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
     except (KeyError, ValueError, OSError) as error:
         raise ConfigError(f"hf.config: {error}") from None

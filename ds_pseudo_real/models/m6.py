@@ -61,7 +61,8 @@ class M6GPT(nn.Module):
         self.pos_emb = nn.Embedding(arch.seq_length, arch.hidden_size)
         self.layers = nn.ModuleList(M6Block(arch, ep_size, capacity_factor) for _ in range(arch.num_layers))
         self.ln_f = nn.LayerNorm(arch.hidden_size)
-        self._initialize(seed)
+        if not self.tok_emb.weight.is_meta:  # built on the meta device to count and plan: no values to set
+            self._initialize(seed)
 
     @torch.no_grad()
     def _initialize(self, seed: int) -> None:

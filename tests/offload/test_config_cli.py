@@ -256,8 +256,8 @@ def test_m6_config_plans_its_experts_per_layer(tmp_path, capsys):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(raw))
     assert cli_main(["plan", "--config", str(path)]) == 2
-    assert "granular_offload.model: got 4 layers of 148224 parameters and 10369 others per rank; the m6 section " \
-           "(m6-tiny, expert_parallel 1) has 4 layers of 148224 and 10368" in capsys.readouterr().err
+    assert "granular_offload.model: got 4 layers of 148224 parameters and 18561 others per rank; the m6 section " \
+           "(m6-tiny, expert_parallel 1) has 4 layers of 148224 and 18560" in capsys.readouterr().err
 
 
 def test_plan_command_models_gradient_accumulation(tmp_path, capsys):

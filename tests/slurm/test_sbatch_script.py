@@ -37,6 +37,11 @@ def test_multi_node_script_one_task_per_gpu(tmp_path):
     assert srun[6:] == ["-m", "launch.dist_env", "--", "/opt/venv/bin/python", str(REPO / "launch" / "train.py"),
                         "--deepspeed_config", str(tmp_path / "ds.json"), "--output-dir", str(run), "--steps", "100"]
     assert "REQUEUE=1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    # the configuration is checked for the job's 512 ranks before srun starts any
+    check = (f"/opt/venv/bin/python -m launch.train --check {tmp_path / 'ds.json'} --world-size 512 --steps 100 "
+             '|| exit "$?"\n')
+    assert check in script and script.index(check) < script.index("\nsrun ")
+    assert "--check" not in sbatch_script(spec(tmp_path, script=Path(__file__)))  # another training script
 
 
 def test_cpu_job_has_no_gpu_directive_and_no_requeue(tmp_path):
@@ -106,17 +111,24 @@ while :; do sleep 0.05; done
 FAKE_SCONTROL = """#!/bin/bash
 echo "scontrol $*" >>"$FAKE_CALLS"
 """
+FAKE_PYTHON = """#!/bin/bash
+echo "python $*" >>"$FAKE_CALLS"
+"""
+
+
+def stand_ins(bin_dir, **scripts):
+    bin_dir.mkdir()
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
 
 
 @pytest.mark.parametrize("requeue,saves,requeued", [(True, True, True), (True, False, False), (False, True, False)])
 def test_batch_shell_forwards_usr1_and_requeues_only_after_a_new_checkpoint(tmp_path, requeue, saves, requeued):
     bin_dir, run, calls = tmp_path / "bin", tmp_path / "run", tmp_path / "calls"
-    bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
+    stand_ins(bin_dir, srun=FAKE_SRUN, scontrol=FAKE_SCONTROL, python=FAKE_PYTHON)
     script = tmp_path / "job.sbatch"
-    script.write_text(sbatch_script(spec(tmp_path, output_dir=run, requeue=requeue)))
+    script.write_text(sbatch_script(spec(tmp_path, output_dir=run, requeue=requeue, python=str(bin_dir / "python"))))
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "gpu[001-064]",
            "FAKE_CALLS": str(calls), "FAKE_RUN": str(run), "FAKE_SAVES": str(int(saves))}
     shell = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -128,7 +140,8 @@ def test_batch_shell_forwards_usr1_and_requeues_only_after_a_new_checkpoint(tmp_
     out = shell.communicate(timeout=30)[0]
     assert shell.returncode == 0, out
     lines = calls.read_text().splitlines()
-    assert lines[0].startswith("srun --kill-on-bad-exit=1") and "srun got USR1" in lines
+    assert lines[0].startswith(f"python -m launch.train --check {tmp_path / 'ds.json'} --world-size 512")
+    assert lines[1].startswith("srun --kill-on-bad-exit=1") and "srun got USR1" in lines
     assert "got SIGUSR1: asking the ranks to checkpoint" in out
     assert ("scontrol requeue 123" in lines) == requeued, (lines, out)
     if requeue and not saves:
@@ -137,11 +150,27 @@ def test_batch_shell_forwards_usr1_and_requeues_only_after_a_new_checkpoint(tmp_
 
 def test_batch_shell_passes_the_ranks_exit_status_on(tmp_path):
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text("#!/bin/bash\nexit 3\n")
-    (bin_dir / "srun").chmod(0o755)
+    stand_ins(bin_dir, srun="#!/bin/bash\nexit 3\n", python="#!/bin/bash\n")
     script = tmp_path / "job.sbatch"
-    script.write_text(sbatch_script(spec(tmp_path, requeue=True)))
+    script.write_text(sbatch_script(spec(tmp_path, requeue=True, python=str(bin_dir / "python"))))
     out = subprocess.run(["bash", str(script)], env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "5"},
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 3 and "ranks exited with status 3" in out.stdout
+
+
+def test_batch_shell_stops_on_a_config_error_before_any_rank_starts(tmp_path):
+    """The real check (this Python, the main job's validation) on a config with a misspelled section: one
+    ``error:`` line in the batch log, exit status 2, srun never called."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    stand_ins(bin_dir, srun=FAKE_SRUN)
+    config = tmp_path / "ds.json"
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script(spec(tmp_path, nodes=1, tasks_per_node=2, gpus_per_node=0, python=sys.executable,
+                                         train_args=[])))
+    config.write_text('{"train_micro_batch_size_per_gpu": 2, "pseudo_to_reel": {}}')
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120, env={
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "6", "FAKE_CALLS": str(calls), "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert [line for line in out.stderr.splitlines() if line.startswith("error:")] == ["error: invalid config:"]
+    assert "did you mean 'pseudo_to_real'?" in out.stderr and "Traceback" not in out.stderr
+    assert not calls.exists()  # no srun

@@ -168,6 +168,22 @@ def test_two_rank_job_trains_through_the_delink(reference_run):
     assert_checkpoint(run, 30)
 
 
+def test_config_error_stops_the_job_before_any_rank_starts(partition, jobs, tmp_path):
+    """The batch shell checks the configuration before srun: one ``error:`` line in the batch log, the job FAILED
+    with exit code 2, no rank started (no rank log)."""
+    config = json.loads((REPO / "configs" / "tiny_cpu.json").read_text())
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**config, "pseudo_to_reel": config["pseudo_to_real"]}))
+    run = tmp_path / "run"
+    job_id = submit(jobs, partition, bad, run, "--time", "15")
+    state = wait_finished(job_id, run)
+    out = logs(run)
+    assert (state["JobState"], state["ExitCode"]) == ("FAILED", "2:0"), out
+    assert list(out) == [f"sbatch-{job_id}.log"], out
+    errors = [line for line in out[f"sbatch-{job_id}.log"].splitlines() if line.startswith("error:")]
+    assert errors == ["error: invalid config:"] and "did you mean 'pseudo_to_real'?" in out[f"sbatch-{job_id}.log"]
+
+
 def test_usr1_checkpoints_and_resubmission_resumes(partition, jobs, tiny_config, reference_run, tmp_path):
     run = tmp_path / "run"
     job_id = submit(jobs, partition, tiny_config, run, "--time", "15", train_args=["--steps", "40"])
