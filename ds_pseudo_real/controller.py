@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 import zlib
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -27,7 +28,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from . import checkpoint as ckpt
-from . import ds_state
+from . import ds_state, run_lock
 from .callbacks import PSEUDO, REAL, CallbackList, TrainingCallback, TrainingControl, TrainingState
 from .config import (
     MAIN_JOB_SECTIONS,
@@ -313,6 +314,10 @@ class PseudoToRealController:
         self.engine, self.optimizer, self.training_dataloader, self.lr_scheduler = self._initialize(
             model, training_data, collate_fn
         )
+        # rank 0's id for this controller names its temporary folders; it is also the run's id until it resumes
+        # from a checkpoint, whose run it then goes on as
+        self._writer = ckpt.gather(uuid.uuid4().hex[:12])[0]
+        self.run_id = self._writer
         self.callbacks.fire("on_train_begin", self.state, self.control)
 
     # ---- engine construction -------------------------------------------------------------------------------
@@ -704,35 +709,45 @@ class PseudoToRealController:
             "depth": self.depth,
             "zero_stage": self.engine.zero_optimization_stage(),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "run_id": self.run_id,
         }
 
     def _prepare_dir(self, folder: str) -> None:
-        """Once per folder and run, before the first save or load there: rank 0 creates it and removes what crashed
-        saves left (after a barrier, so that no rank is still writing)."""
+        """Once per folder and run, before the first save or load there: rank 0 creates it, takes its lock for the
+        life of the process (:func:`~ds_pseudo_real.checkpoint.claim`: another run holding it is a CheckpointError on
+        every rank) and removes what crashed saves left (after a barrier, so that no rank is still writing)."""
         if folder in self._prepared_dirs:
             return
         _barrier()
+        ckpt.claim(folder)
         if is_rank0():
-            os.makedirs(folder, exist_ok=True)
             ckpt.remove_stale(folder)
         _barrier()
         self._prepared_dirs.add(folder)
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict] = None) -> str:
-        """Write a checkpoint atomically: ``<tag>.partial`` by every rank (each file checksummed as it is written
-        and fsynced), then rank 0 adds the manifest and renames it to ``<tag>`` + ``latest``, then applies
-        ``checkpoint.keep_last``. A failed write on any rank raises :class:`~ds_pseudo_real.checkpoint.CheckpointError`
+        """Write a checkpoint atomically: ``<tag>.<run>.partial`` by every rank (each file checksummed as it is
+        written and fsynced), then rank 0 adds the manifest and renames it to ``<tag>`` + ``latest``, then applies
+        ``checkpoint.keep_last`` to this run's checkpoints. A ``tag`` that names another run's checkpoint is refused
+        before anything is written (:class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank), and so is
+        every save once the folder's lock file names another run. A failed write on any rank raises :class:`~ds_pseudo_real.checkpoint.CheckpointError`
         on every rank, naming the file and the last good checkpoint; the partial folder is removed and training can
         go on (a later save can succeed once the cause is gone)."""
         tag = tag or f"global_step{self.engine.global_steps}"
         client = dict(client_state or {})
         client[CLIENT_KEY] = self._plugin_state()
         self._prepare_dir(save_dir)
-        staged = os.path.join(save_dir, ckpt.partial_tag(tag))
+        refusal = (run_lock.taken_over(save_dir) or ckpt.foreign_checkpoint(save_dir, tag, self.run_id)
+                   if is_rank0() else None)
+        refusal = ckpt.gather(refusal)[0]
+        if refusal is not None:
+            raise ckpt.CheckpointError(f"checkpoint {os.path.join(save_dir, tag)} was not saved: {refusal}")
+        staged = os.path.join(save_dir, ckpt.partial_tag(tag, self._writer))
         written, failure = {}, None
         try:
             with ds_state.checksummed_writes(self.engine, staged) as written:
-                self.engine.save_checkpoint(save_dir, tag=ckpt.partial_tag(tag), client_state=client, save_latest=False)
+                self.engine.save_checkpoint(save_dir, tag=os.path.basename(staged), client_state=client,
+                                            save_latest=False)
         except (OSError, RuntimeError) as error:
             failure = error
             _barrier()  # the closing barrier of DeepSpeed's save_checkpoint, which this rank skipped
@@ -744,12 +759,14 @@ class PseudoToRealController:
             try:
                 merged = {name: entry for part in every for name, entry in part.items()}
                 swapped = {"swapped_state_files": swap_files} if any(f is not None for f in swap_files) else {}
-                ckpt.publish(save_dir, tag, {**self._sidecar(), "state": fingerprints, **swapped}, merged)
+                sidecar = {**self._sidecar(), "written_by": run_lock.holder_record(save_dir), "state": fingerprints,
+                           **swapped}
+                ckpt.publish(save_dir, tag, sidecar, merged, self._writer)
             except OSError as error:
                 failure = error
         self._raise_if_save_failed(save_dir, tag, failure)
         if is_rank0():
-            ckpt.prune(save_dir, self.checkpoint_options.keep_last)
+            ckpt.prune(save_dir, self.checkpoint_options.keep_last, self.run_id)
         _barrier()
         return os.path.join(save_dir, tag)
 
@@ -759,7 +776,7 @@ class PseudoToRealController:
         ranks = [rank for rank, report in enumerate(reports) if report]
         if not ranks:
             return
-        staged = os.path.join(save_dir, ckpt.partial_tag(tag))
+        staged = os.path.join(save_dir, ckpt.partial_tag(tag, self._writer))
         if is_rank0():
             shutil.rmtree(staged, ignore_errors=True)
         _barrier()
@@ -777,6 +794,8 @@ class PseudoToRealController:
         warning; :class:`~ds_pseudo_real.checkpoint.CheckpointError` when checkpoints exist but none verifies);
         ``(None, {})`` when ``load_dir`` holds none. ``tag`` given (a tag in ``load_dir`` or the path of a checkpoint
         folder): that one, which must verify. ``verify`` overrides ``checkpoint.verify`` (checksum, size, none).
+        The run then goes on as the checkpoint's run (its saves may replace that run's later checkpoints); with
+        ``tag`` None, rank 0 first takes ``load_dir``'s lock, as the first save there does.
         """
         mode = verify or self.checkpoint_options.verify
         if tag is None:
@@ -827,6 +846,7 @@ class PseudoToRealController:
         self._check_state_restored(os.path.join(load_dir, tag), side, optimizer_loaded)
         client = dict(client or {})
         self._restore_plugin_state(client.pop(CLIENT_KEY))
+        self.run_id = ckpt.run_of(side)  # resumed: this run goes on as the checkpoint's
         log_rank0(f"resumed from {os.path.join(load_dir, tag)} at step {self.engine.global_steps} ({self.state.stage} stage)")
         return path, client
 
@@ -942,5 +962,6 @@ class PseudoToRealController:
             self._restore_plugin_state(plugin)
         self.state.stage = REAL
         self.state.switch_step = self.state.switch_step or self.engine.global_steps
+        self.run_id = ckpt.run_of(side)
         log_rank0(f"loaded converted real-stage checkpoint {folder} at step {self.engine.global_steps}; Adam moments start at zero")
         return folder, client

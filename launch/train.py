@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import ds_pseudo_real
-from ds_pseudo_real.checkpoint import CheckpointError
+from ds_pseudo_real.checkpoint import CheckpointError, claim
 from ds_pseudo_real.config import SECTION, ConfigError, check_top_level_keys, load_ds_config, parse_pseudo_to_real
 from ds_pseudo_real.data import BYTE_VOCAB, build_corpus, indexed_vocabulary, parse_data_section
 from ds_pseudo_real.models.build import build_model, model_spec, parameter_groups
@@ -182,6 +182,7 @@ def train(argv: Optional[List[str]] = None) -> int:
     steps = args.steps or default_steps(ds_config)
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     ckpt_dir = out / "checkpoints"
+    claim(str(ckpt_dir))  # this run's folder until it ends: a second run on it stops here, before it writes anything
     data = parse_data_section(ds_config)
     vocab, eod = (BYTE_VOCAB, None) if data.type == "byte_corpus" else indexed_vocabulary(data)
     flags = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "seq_len": args.seq_len}

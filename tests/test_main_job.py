@@ -1,12 +1,18 @@
 """The main job end to end on the embedded corpus: pseudo stage, delink, real stage, loss history, plot, resume."""
 import json
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from ds_pseudo_real.models.gpt import Block, GPTConfig
+from ds_pseudo_real import checkpoint as ckpt
 from ds_pseudo_real.report import read_records
-from conftest import REPO, free_port, run_two_ranks
+from conftest import REPO, free_port, run_main_job, run_two_ranks
 
 TINY = ["--n-layer", "4", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", str(1 << 20),
         "--eval-interval", "6", "--eval-batches", "2", "--log-interval", "6"]
@@ -143,3 +149,51 @@ def test_main_job_runs_the_exit_handlers_and_leaves_without_the_interpreters_tea
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0 finished at step 2 stage real" in proc.stdout
     assert proc.stdout.count("exit handler ran") == 1 and "teardown ran" not in proc.stdout
+
+
+def start_single(logs, *args) -> subprocess.Popen:
+    """``launch/train.py ARGS`` in one process, in the background, its output in ``logs``.out/.err."""
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, str(REPO / "launch" / "train.py"), *map(str, args)], env=env, cwd=REPO,
+                            stdout=open(f"{logs}.out", "w"), stderr=open(f"{logs}.err", "w"))
+
+
+def wait_for(condition, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_a_second_run_on_the_same_output_folder_is_refused_and_the_first_loses_nothing(tmp_path):
+    """The same command started twice on one folder: the second stops at once with one error naming the first
+    (its host and pid), and writes nothing there; the first trains on, stops on SIGTERM with a checkpoint, and every
+    checkpoint it wrote is its own and verifies, its metrics one run's steps."""
+    out = tmp_path / "run"
+    command = ["--deepspeed_config", tiny_config(tmp_path, steps=5000, switch=12), "--output-dir", out, *TINY,
+               "--save-interval", "5"]
+    first = start_single(tmp_path / "first", *command)
+    try:
+        wait_for(lambda: (out / "checkpoints" / "latest").is_file(), "the first run's first checkpoint")
+        second = run_main_job(*map(str, command), expect=2)
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+        assert f"host {socket.gethostname()}, pid {first.pid}" in errors[0], errors[0]
+        assert first.poll() is None  # untouched by the second run
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=120) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+    log = Path(f"{tmp_path / 'first'}.out").read_text()
+    stopped = int(re.search(r"saved checkpoint at step (\d+) on signal SIGTERM", log).group(1))
+    folder = out / "checkpoints"
+    tags = sorted((c.tag for c in ckpt.list_checkpoints(str(folder))), key=lambda t: int(t[len("global_step"):]))
+    assert tags == [f"global_step{s}" for s in range(5, stopped, 5)] + [f"global_step{stopped}"] * (stopped % 5 > 0)
+    for tag in tags:
+        assert ckpt.verify(str(folder), tag).ok, tag
+        assert ckpt.read_sidecar(str(folder), tag)["written_by"]["pid"] == first.pid
+    assert ckpt.latest_tag(str(folder)) == f"global_step{stopped}"
+    steps = [r["step"] for r in read_records(out / "metrics.jsonl", raw=True) if "train_loss" in r]
+    assert steps == list(range(1, stopped + 1))
+
