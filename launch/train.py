@@ -27,6 +27,7 @@ from ds_pseudo_real.config import SECTION, ConfigError, check_top_level_keys, lo
 from ds_pseudo_real.data import BYTE_VOCAB, build_corpus, indexed_vocabulary, parse_data_section
 from ds_pseudo_real.models.build import build_model, model_spec, parameter_groups
 from ds_pseudo_real.report import MetricsLog, plot_history, read_records
+from launch.launcher_watch import watch_launcher
 
 DEFAULT_STEPS = 600
 
@@ -69,12 +70,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 class StopOnSignal:
-    """Turns SIGUSR1/SIGTERM into a flag checked at step boundaries (all ranks agree through an all-reduce)."""
+    """Turns SIGUSR1/SIGTERM into a flag checked at step boundaries (all ranks agree through an all-reduce); a rank
+    whose launcher is gone (killed by a signal it does not pass on) sends itself SIGTERM."""
 
     def __init__(self):
         self.received: Optional[str] = None
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._handle)
+        watch_launcher()
 
     def _handle(self, signum, _frame):
         self.received = signal.Signals(signum).name

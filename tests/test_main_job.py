@@ -9,6 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+import pytest
+
 from ds_pseudo_real.models.gpt import Block, GPTConfig
 from ds_pseudo_real import checkpoint as ckpt
 from ds_pseudo_real.report import read_records
@@ -197,3 +200,46 @@ def test_a_second_run_on_the_same_output_folder_is_refused_and_the_first_loses_n
     steps = [r["step"] for r in read_records(out / "metrics.jsonl", raw=True) if "train_loss" in r]
     assert steps == list(range(1, stopped + 1))
 
+
+def processes_of(out: Path):
+    """The processes (launchers and ranks) whose command line names the run folder ``out``."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        if str(out) in " ".join(process.info["cmdline"] or []) and process.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(process)
+    return found
+
+
+@pytest.mark.parametrize("launcher, sig", [("torchrun", signal.SIGUSR1), ("deepspeed", signal.SIGTERM)])
+def test_a_launcher_killed_by_a_signal_it_does_not_pass_on_leaves_no_rank_training(tmp_path, launcher, sig):
+    """torchrun dies of SIGUSR1, the one-node ``deepspeed`` command of SIGTERM, without signalling the ranks: every
+    rank notices that its launcher is gone, the ranks save one checkpoint at the step they reached, which verifies,
+    and exit; no process of the run is left."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    start = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"] if launcher == "torchrun" else
+             [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2"])
+    command = [*start, "--master_port", str(free_port()), str(REPO / "launch" / "train.py"), "--deepspeed_config",
+               str(tiny_config(tmp_path, steps=5000, switch=12)), "--output-dir", str(out), *TINY]
+    log = tmp_path / "log"
+    top = subprocess.Popen(command, env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "step 6/5000" in log.read_text(), "the ranks' first progress line")
+        ranks = [p for p in processes_of(out) if p.info["cmdline"][1:3] == ["-u", str(REPO / "launch" / "train.py")]]
+        top.send_signal(sig)
+        assert top.wait(timeout=60) != 0  # it died of the signal, or (deepspeed) of its default handling
+        wait_for(lambda: not processes_of(out), "every process of the run to end", timeout=120)
+    finally:
+        for process in processes_of(out):
+            process.kill()
+    text = log.read_text()
+    assert len(ranks) == 2, text[-3000:]
+    for rank in (0, 1):
+        assert f"[ds_pseudo_real] rank {rank}: its launcher " in text, text[-3000:]
+    saved = re.findall(r"saved checkpoint at step (\d+) on signal SIGTERM", text)
+    assert len(saved) == 2 and saved[0] == saved[1], text[-3000:]
+    folder = str(out / "checkpoints")
+    assert ckpt.latest_tag(folder) == f"global_step{saved[0]}"
+    assert ckpt.verify(folder, f"global_step{saved[0]}").ok
+    assert ckpt.read_sidecar(folder, f"global_step{saved[0]}")["world_size"] == 2
