@@ -222,6 +222,10 @@ def train(argv: Optional[List[str]] = None) -> int:
     if rank == 0:
         print(f"training {steps} steps from step {start_step}: {tokens_per_step} tokens/step, stage {engine.stage}, "
               f"{ds_pseudo_real.parameter_count(engine.module):,} parameters, output {out}", flush=True)
+        if (switch_step(engine) or 0) > steps:
+            print(f"[ds_pseudo_real] WARNING: the next delink is planned at step {switch_step(engine)}, after this run's "
+                  f"last step {steps} (--steps, else scheduler.params.total_num_steps): this run trains only the "
+                  f"{engine.stage} model", file=sys.stderr, flush=True)
 
     seen_transition = engine.last_transition
     window_start, window_steps = time.perf_counter(), 0

@@ -243,3 +243,13 @@ def test_a_launcher_killed_by_a_signal_it_does_not_pass_on_leaves_no_rank_traini
     assert ckpt.latest_tag(folder) == f"global_step{saved[0]}"
     assert ckpt.verify(folder, f"global_step{saved[0]}").ok
     assert ckpt.read_sidecar(folder, f"global_step{saved[0]}")["world_size"] == 2
+
+
+def test_a_switch_after_the_last_step_is_a_warning_at_start(tmp_path):
+    proc = run_main_job("--deepspeed_config", str(tiny_config(tmp_path, steps=3, switch=12)), "--output-dir",
+                        str(tmp_path / "run"), *TINY)
+    warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]
+    assert warnings == ["[ds_pseudo_real] WARNING: the next delink is planned at step 12, after this run's last step 3 "
+                        "(--steps, else scheduler.params.total_num_steps): this run trains only the pseudo model"]
+    assert proc.stdout.index("training 3 steps from step 0") < proc.stdout.index("step 3/3")
+    assert "rank 0 finished at step 3 stage pseudo" in proc.stdout
