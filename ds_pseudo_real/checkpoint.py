@@ -10,6 +10,7 @@ are rank 0's. Assumes one file system shared by all ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import zlib
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import run_lock
 
@@ -188,6 +189,14 @@ def _remove_tree(path: Path) -> None:
 
 
 # ---- writing ----------------------------------------------------------------------------------------------------
+def _lock(folder: str) -> None:
+    try:
+        os.makedirs(folder, exist_ok=True)
+        run_lock.acquire(folder)
+    except (OSError, run_lock.FolderInUse) as error:
+        raise CheckpointError(str(error)) from None
+
+
 def claim(folder: str) -> None:
     """Make ``folder`` and hold its lock (``run_lock``) on rank 0 for the life of this process, so that no other run
     writes into it meanwhile; every rank raises the same CheckpointError, naming the run that holds it, when another
@@ -195,13 +204,25 @@ def claim(folder: str) -> None:
     failure = None
     if rank_and_world()[0] == 0:
         try:
-            os.makedirs(folder, exist_ok=True)
-            run_lock.acquire(folder)
-        except (OSError, run_lock.FolderInUse) as error:
+            _lock(folder)
+        except CheckpointError as error:
             failure = str(error)
     failure = gather(failure)[0]
     if failure is not None:
         raise CheckpointError(failure)
+
+
+@contextlib.contextmanager
+def holding(folder: str) -> Iterator[None]:
+    """``claim`` for one process that writes into ``folder`` for a while (``ds-pseudo-real convert``): the lock is
+    given up after the block, unless this process held it before."""
+    held_before = run_lock.holds(folder)
+    _lock(folder)
+    try:
+        yield
+    finally:
+        if not held_before:
+            run_lock.release(folder)
 
 
 def run_of(sidecar: Dict[str, Any]) -> str:

@@ -911,28 +911,31 @@ class PseudoToRealController:
                 f"{where} has {side['num_layers']} layers at {side['layers']!r}; "
                 f"this model has {self.num_layers} at {self.layer_path!r}"
             )
+        converted = f"{os.path.normpath(load_dir)}_converted"
         if side["stage"] == PSEUDO and self.state.stage == REAL:
             raise ConfigError(
                 f"{where} is a pseudo-stage checkpoint but this run is in the real stage "
-                f"(pseudo_to_real.enabled is false?); convert it with `ds-pseudo-real convert`"
+                f"(pseudo_to_real.enabled is false?); expand it to the real model with `ds-pseudo-real convert "
+                f"--to-real --input {load_dir} --tag {tag} --output {converted}` and resume from "
+                f"{os.path.join(converted, tag)}"
             )
-        if side["kind"] == "converted":
-            return
         saved = (side.get("depth", self.num_layers), side["groups"])
         if side["stage"] == PSEUDO and saved not in self.stages:
             raise ConfigError(f"{where} has {saved[1]} parameter groups of {saved[0]} layers; this run's stages have "
                               f"{self.stage_groups[:-1] if self.stage_groups[-1] == self.num_layers else self.stage_groups}"
                               f" (pseudo_to_real.groups or schedule)")
+        if side["kind"] == "converted":
+            return
         world = dist.get_world_size() if dist.is_initialized() else 1
         zero = self.engine.zero_optimization_stage()
         saved_world, saved_zero = side.get("world_size", world), side.get("zero_stage", zero)
         if saved_zero != zero or (zero > 0 and saved_world != world):
-            converted = f"{os.path.normpath(load_dir)}_converted"
             raise ckpt.CheckpointError(
                 f"{where} was saved by {saved_world} ranks at ZeRO stage {saved_zero}; this run has {world} ranks at "
                 f"ZeRO stage {zero}, and DeepSpeed's ZeRO optimizer state only loads on the layout that saved it. "
-                f"Convert it, then resume from the converted one (weights, steps, LR schedule and trigger state are "
-                f"kept; Adam moments start at zero):\n  ds-pseudo-real convert --input {load_dir} --tag {tag} "
+                f"Convert it, then resume from the converted one, which keeps the weights, steps, LR schedule, "
+                f"trigger state and its stage (a pseudo-stage one goes on in the pseudo stage and delinks where "
+                f"configured); Adam moments start at zero:\n  ds-pseudo-real convert --input {load_dir} --tag {tag} "
                 f"--output {converted}\nand run with --resume-from {os.path.join(converted, tag)} "
                 f"(or go back to {saved_world} ranks at ZeRO stage {saved_zero})"
             )
@@ -945,11 +948,16 @@ class PseudoToRealController:
         self.callbacks.load_state_dict(plugin["callbacks"])
 
     def _load_converted(self, load_dir: str, tag: str, side: Dict[str, Any]) -> Tuple[str, Dict]:
+        """A checkpoint of ``ds-pseudo-real convert``: the model of its stage built from its fp32 weights, its steps,
+        LR schedule position and plugin state restored; Adam moments start at zero."""
         folder = os.path.join(load_dir, tag)
         weights = torch.load(os.path.join(folder, "model_fp32.pt"), map_location="cpu", weights_only=True)
         trainer = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=False)
         self._release_engine()
-        self._build_real_engine(weights)
+        if side["stage"] == REAL:
+            self._build_real_engine(weights)
+        else:
+            self._build_engine(side.get("depth", self.num_layers), side["groups"], weights)
         for key in ("global_steps", "global_samples", "skipped_steps"):
             setattr(self.engine, key, trainer[key])
         self.engine.micro_steps = trainer["global_steps"] * self.engine.gradient_accumulation_steps()
@@ -960,8 +968,10 @@ class PseudoToRealController:
         plugin = client.pop(CLIENT_KEY, None)
         if plugin is not None:
             self._restore_plugin_state(plugin)
-        self.state.stage = REAL
-        self.state.switch_step = self.state.switch_step or self.engine.global_steps
+        if side["stage"] == REAL:
+            self.state.stage = REAL
+            self.state.switch_step = self.state.switch_step or self.engine.global_steps
         self.run_id = ckpt.run_of(side)
-        log_rank0(f"loaded converted real-stage checkpoint {folder} at step {self.engine.global_steps}; Adam moments start at zero")
+        log_rank0(f"loaded converted {side['stage']}-stage checkpoint {folder} at step {self.engine.global_steps}; Adam "
+                  f"moments start at zero")
         return folder, client

@@ -75,8 +75,7 @@ def acquire(folder: str) -> None:
     On a file system without locks (flock fails with ENOLCK, ENOSYS, EOPNOTSUPP), the record is the lock: a holder
     whose process is gone from this host is taken over; one on another host is refused (it cannot be checked), until
     someone who knows it is over deletes the file."""
-    key = os.path.realpath(folder)
-    if key in _HELD:
+    if holds(folder):
         return
     path = os.path.join(folder, LOCK_FILE)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -109,7 +108,7 @@ def acquire(folder: str) -> None:
     except BaseException:
         os.close(fd)
         raise
-    _HELD[key] = (fd, record)
+    _HELD[os.path.realpath(folder)] = (fd, record)
 
 
 def taken_over(folder: str) -> Optional[str]:
@@ -123,6 +122,11 @@ def taken_over(folder: str) -> Optional[str]:
     return (f"{os.path.join(folder, LOCK_FILE)} now names the run of {describe(holder or {})} instead of this one "
             f"({describe(record)}): another run is writing into {folder}, so locks on this file system do not keep "
             f"runs apart; stop one of them")
+
+
+def holds(folder: str) -> bool:
+    """Whether this process holds ``folder``'s lock."""
+    return os.path.realpath(folder) in _HELD
 
 
 def holder_record(folder: str) -> Dict[str, Any]:
