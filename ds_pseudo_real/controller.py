@@ -346,13 +346,15 @@ class PseudoToRealController:
             config=ds_config,
         )
         # the transition reads and writes this engine's optimizer state; save_checkpoint wraps its checkpoint engine
-        ds_state.check_internals(engine, *(["pseudo_to_real"] if self.config.enabled else []), "save_checkpoint")
+        ds_state.check_internals(engine, *(["pseudo_to_real"] if self.config.enabled else []), "save_checkpoint",
+                                 "monitors")
         if self.offload_plan is not None:
             from .offload import attach_to_engine
 
             attach_to_engine(engine)
         if self._monitor is not None:  # one TensorBoard/CSV/W&B writer for the whole run, across the delink
             engine.monitor = self._monitor
+        ds_state.warn_on_failed_monitor_writes(engine, ckpt.warn)
         target = ds_state.basic_optimizer(engine)
         if target is not None:
             target.register_step_pre_hook(self._scale_lr)

@@ -7,7 +7,8 @@ lazily created optimizer state so moments can be set before the first step, the 
 folding the norm of gradients DeepSpeed does not hold (granular offload's own groups) into its global gradient
 norm and its overflow decision and dropping them when it zeroes its own, by wrapping methods on the engine's own
 optimizer instance (its norm, the unfused optimizer's overflow check, ``zero_grad``: they live and die with that
-engine), and checksumming the files its checkpoint engine writes. One class-level patch: the model broadcast at
+engine), checksumming the files its checkpoint engine writes, and warning instead of raising when its monitors
+cannot write (:func:`warn_on_failed_monitor_writes`). One class-level patch: the model broadcast at
 initialize sends host tensors (granular offload's host_params) through the device under NCCL
 (:func:`route_host_broadcasts`, undone by :func:`unroute_host_broadcasts`).
 """
@@ -68,6 +69,9 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
     "save_checkpoint": {  # every file checksummed as DeepSpeed writes it
         "DeepSpeedEngine": ("checkpoint_engine",),
         "TorchCheckpointEngine": ("save", "zipfile_serialization"),
+    },
+    "monitors": {  # a failed monitor write (a full disk) is a warning, not an exception out of engine.step
+        "DeepSpeedEngine": ("monitor.write_events",),
     },
     "granular_offload": {  # its own groups (host_params outside DeepSpeed's optimizer): norm, overflow, zero_grad
         "DeepSpeedEngine": ("communication_data_type",),
@@ -904,6 +908,30 @@ def drop_gradients_with(engine, drop: Callable[[], None]) -> None:
         drop()
 
     optimizer.zero_grad = zero_grad
+
+
+def warn_on_failed_monitor_writes(engine, warn: Callable[[str], None]) -> None:
+    """Make the engine's monitor (DeepSpeed's ``MonitorMaster``: its TensorBoard, CSV, W&B and Comet writers, which
+    ``engine.step`` writes through too) treat a write that fails with an OSError (a full disk) as a save that fails
+    is treated: ``warn`` the first time, and training goes on; the events of that call are lost. Wraps the write of
+    that monitor instance, once (the controller hands one monitor from engine to engine)."""
+    monitor = engine.monitor
+    if hasattr(monitor.write_events, "__wrapped__"):
+        return
+    write = monitor.write_events
+    warned = []
+
+    @functools.wraps(write)
+    def write_events(*args, **kwargs):
+        try:
+            return write(*args, **kwargs)
+        except OSError as error:
+            if not warned:
+                warned.append(error)
+                warn(f"could not write DeepSpeed's monitors' events: {error}; training goes on without them (later "
+                     f"events are written once there is room; this warning is not repeated)")
+
+    monitor.write_events = write_events
 
 
 def steps_when_built(engine) -> bool:

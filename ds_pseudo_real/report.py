@@ -1,13 +1,15 @@
 """The run's loss history: a JSONL log that survives resumes, and the train/validation plot with the switch marked.
 
-Owns: appending to ``metrics.jsonl`` (never rewritten), reading its continuous history, and drawing ``loss.png``.
-Knows nothing of engines.
+Owns: appending to ``metrics.jsonl`` (never rewritten; a failed write is a warning, never the end of the run),
+reading its continuous history, and drawing ``loss.png``. Knows nothing of engines.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Dict, Iterable, List
+
+from .checkpoint import warn
 
 
 class MetricsLog:
@@ -18,12 +20,16 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._warned = self._line_cut = False
         if self.path.is_file() and self.path.stat().st_size:
             self._terminate_partial_line()
             self.write({"event": RESUME, "step": resume_step})
 
     def _terminate_partial_line(self) -> None:
-        """A crash mid-write can leave the last line unfinished; start the next record on a line of its own."""
+        """A crash or a full disk mid-write can leave the last line unfinished; start the next record on a line of
+        its own."""
+        if not self.path.is_file() or not self.path.stat().st_size:
+            return
         with open(self.path, "rb") as handle:
             handle.seek(-1, 2)
             ends_with_newline = handle.read(1) == b"\n"
@@ -32,8 +38,21 @@ class MetricsLog:
                 handle.write("\n")
 
     def write(self, record: Dict) -> None:
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        """Append ``record``. A write that fails (a full disk) is a warning, the first time, as a failed save is: the
+        record is lost, training goes on, and later records are written, each on a line of its own, once there is
+        room."""
+        try:
+            if self._line_cut:
+                self._terminate_partial_line()
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            self._line_cut = False
+        except OSError as error:
+            self._line_cut = True
+            if not self._warned:
+                self._warned = True
+                warn(f"could not write {self.path}: {error}; training goes on without these records (later ones "
+                     f"are written once there is room; this warning is not repeated)")
 
 
 RESUME = "resume"

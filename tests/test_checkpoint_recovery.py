@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ds_pseudo_real import checkpoint as ckpt
-from ds_pseudo_real import ds_state, run_lock
+from ds_pseudo_real import ds_state, report, run_lock
 from ds_pseudo_real.config import ConfigError, split_checkpoint_options
 from ds_pseudo_real.report import MetricsLog, read_records
 from conftest import run_two_ranks
@@ -279,6 +279,29 @@ def test_metrics_history_is_appended_never_rewritten(tmp_path):
     assert len([r for r in read_records(path, raw=True) if "train_loss" in r]) == 8
     MetricsLog(path, resume_step=0)  # --no-resume: an explicit fresh start supersedes everything
     assert [r for r in read_records(path) if "train_loss" in r] == []
+
+
+def test_a_metrics_write_that_fails_is_one_warning_and_the_next_record_starts_a_line(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    log.write({"step": 1})
+
+    def full_disk(file, mode="r"):  # the disk fills mid-line
+        if "a" not in mode:
+            return open(file, mode)
+        with open(file, mode) as handle:
+            handle.write('{"step": 9, "tr')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(report, "open", full_disk, raising=False)
+    log.write({"step": 2})
+    log.write({"step": 3})
+    monkeypatch.undo()  # room again
+    log.write({"step": 4})
+    assert [r["step"] for r in read_records(path)] == [1, 4]
+    assert capsys.readouterr().err.splitlines() == [
+        f"[ds_pseudo_real] WARNING: could not write {path}: [Errno 28] No space left on device; training goes on "
+        f"without these records (later ones are written once there is room; this warning is not repeated)"]
 
 
 # ---- through the controller -----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """The main job end to end on the embedded corpus: pseudo stage, delink, real stage, loss history, plot, resume."""
+import errno
 import json
 import os
 import re
@@ -253,3 +254,45 @@ def test_a_switch_after_the_last_step_is_a_warning_at_start(tmp_path):
                         "(--steps, else scheduler.params.total_num_steps): this run trains only the pseudo model"]
     assert proc.stdout.index("training 3 steps from step 0") < proc.stdout.index("step 3/3")
     assert "rank 0 finished at step 3 stage pseudo" in proc.stdout
+
+
+def test_a_full_disk_under_the_logs_is_one_warning_each_and_the_run_ends_as_without_it(tmp_path):
+    """The run folder on a file system with two free pages (the checkpoints elsewhere): the CSV monitor's LR file
+    takes one at step 1, metrics.jsonl the other, so the monitor's next file fails at once, metrics.jsonl when its
+    page is full, and loss.png at the end, with ENOSPC. Each is one warning; training goes on to its final
+    checkpoint and exit 0."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    out = tmp_path / "run"
+    out.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(out)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small file system is needed to fill the disk for real; mount failed: {mounted.stderr.strip()}")
+    try:
+        (tmp_path / "checkpoints").mkdir()
+        (out / "checkpoints").symlink_to(tmp_path / "checkpoints")
+        with open(out / "filler", "wb", buffering=0) as filler:
+            try:
+                while True:
+                    filler.write(b"x" * 4096)
+            except OSError as error:
+                assert error.errno == errno.ENOSPC
+            filler.truncate(filler.tell() // 4096 * 4096 - 2 * 4096)  # two free pages
+        config = json.loads(tiny_config(tmp_path, steps=40, switch=6).read_text())
+        config["csv_monitor"] = {"enabled": True, "job_name": "tiny"}
+        (tmp_path / "monitored.json").write_text(json.dumps(config))
+        proc = run_main_job("--deepspeed_config", str(tmp_path / "monitored.json"), "--output-dir", str(out), *TINY)
+        written = read_records(out / "metrics.jsonl")
+    finally:
+        subprocess.run(["umount", str(out)], check=False)
+    warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for what in (str(out / "metrics.jsonl"), "DeepSpeed's monitors' events", str(out / "loss.png")):
+        lines = [line for line in warnings if line.startswith(f"[ds_pseudo_real] WARNING: could not write {what}: ")]
+        assert len(lines) == 1 and "[Errno 28] No space left on device" in lines[0], (what, warnings)
+    assert "delinked at step 6" in proc.stdout and "rank 0 finished at step 40 stage real" in proc.stdout
+    assert ckpt.latest_tag(str(tmp_path / "checkpoints")) == "global_step40"
+    assert ckpt.verify(str(tmp_path / "checkpoints"), "global_step40").ok
+    steps = [r["step"] for r in written if "train_loss" in r]
+    assert 10 < len(steps) < 40 and steps == list(range(1, len(steps) + 1))  # what fitted in the page
