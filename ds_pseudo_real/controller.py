@@ -728,13 +728,13 @@ class PseudoToRealController:
         self._prepared_dirs.add(folder)
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict] = None) -> str:
-        """Write a checkpoint atomically: ``<tag>.<run>.partial`` by every rank (each file checksummed as it is
+        """Write a checkpoint atomically: ``<tag>.<writer>.partial`` by every rank (each file checksummed as it is
         written and fsynced), then rank 0 adds the manifest and renames it to ``<tag>`` + ``latest``, then applies
         ``checkpoint.keep_last`` to this run's checkpoints. A ``tag`` that names another run's checkpoint is refused
-        before anything is written (:class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank), and so is
-        every save once the folder's lock file names another run. A failed write on any rank raises :class:`~ds_pseudo_real.checkpoint.CheckpointError`
-        on every rank, naming the file and the last good checkpoint; the partial folder is removed and training can
-        go on (a later save can succeed once the cause is gone)."""
+        before anything is written, and so is every save once the folder's lock file names another run
+        (:class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank). A failed write on any rank raises
+        CheckpointError on every rank, naming the file and the last good checkpoint; the partial folder is removed
+        and training can go on (a later save can succeed once the cause is gone)."""
         tag = tag or f"global_step{self.engine.global_steps}"
         client = dict(client_state or {})
         client[CLIENT_KEY] = self._plugin_state()

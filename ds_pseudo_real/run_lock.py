@@ -72,9 +72,9 @@ def acquire(folder: str) -> None:
     """Hold ``folder``'s lock for the rest of this process's life (a no-op when this process holds it already), and
     record this process in it; raise :class:`FolderInUse` naming the run that holds it.
 
-    On a file system without locks (flock fails with ENOLCK, ENOSYS, EOPNOTSUPP), the record is the lock: a holder
-    whose process is gone from this host is taken over; one on another host is refused (it cannot be checked), until
-    someone who knows it is over deletes the file."""
+    On a file system without locks (flock fails with ENOLCK, ENOSYS, EOPNOTSUPP, EINVAL), the record is the lock: a
+    holder whose process is gone from this host is taken over; one on another host is refused (it cannot be checked),
+    until someone who knows that run is over deletes the file."""
     if holds(folder):
         return
     path = os.path.join(folder, LOCK_FILE)

@@ -3,7 +3,8 @@ datasets, pseudo stage -> delink -> real stage.
 
 Started by the deepspeed launcher (``deepspeed launch/train.py --deepspeed_config configs/tiny_cpu.json``),
 torchrun, srun, or ``ds-pseudo-real train``. Resumes from the newest checkpoint in ``<output-dir>/checkpoints`` that
-verifies (or ``--resume-from``); on SIGUSR1/SIGTERM it saves a checkpoint at the next step boundary and exits 0.
+verifies (or ``--resume-from``); on SIGUSR1/SIGTERM, or when its launcher is gone, it saves a checkpoint at the next
+step boundary and exits 0. Holds ``<output-dir>/checkpoints/run.lock`` while it runs: a second run there stops at once.
 """
 from __future__ import annotations
 

@@ -236,9 +236,9 @@ def test_a_launcher_killed_by_a_signal_it_does_not_pass_on_leaves_no_rank_traini
             process.kill()
     text = log.read_text()
     assert len(ranks) == 2, text[-3000:]
-    for rank in (0, 1):
-        assert f"[ds_pseudo_real] rank {rank}: its launcher " in text, text[-3000:]
-    saved = re.findall(r"saved checkpoint at step (\d+) on signal SIGTERM", text)
+    # A rank that noticed first may stop both at the next step boundary, before the other one's watch looks.
+    assert re.search(r"\[ds_pseudo_real\] rank [01]: its launcher .* is gone; stopping as on SIGTERM", text), text[-3000:]
+    saved = re.findall(r"saved checkpoint at step (\d+) on signal (?:SIGTERM|from another rank)", text)
     assert len(saved) == 2 and saved[0] == saved[1], text[-3000:]
     folder = str(out / "checkpoints")
     assert ckpt.latest_tag(folder) == f"global_step{saved[0]}"
