@@ -186,7 +186,6 @@ def train(argv: Optional[List[str]] = None) -> int:
     steps = args.steps or default_steps(ds_config)
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     ckpt_dir = out / "checkpoints"
-    claim(str(ckpt_dir))  # this run's folder until it ends: a second run on it stops here, before it writes anything
     data = parse_data_section(ds_config)
     vocab, eod = (BYTE_VOCAB, None) if data.type == "byte_corpus" else indexed_vocabulary(data)
     flags = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "seq_len": args.seq_len}
@@ -194,6 +193,7 @@ def train(argv: Optional[List[str]] = None) -> int:
     if ptr.enabled:
         ptr.stages(spec.num_layers)  # a progressive schedule's stages, checked before the model is built
     micro, gas = batch_shape(ds_config)
+    claim(str(ckpt_dir))  # the configuration is valid: the folder is this run's until it ends (a second run stops here)
     if rank == 0:
         print(f"data: {data.describe()}", flush=True)
     corpus = build_corpus(data, seq_len=spec.seq_len, seed=args.seed, train_samples=steps * gas * micro * world,
