@@ -1,25 +1,30 @@
 """Checkpoint folders on disk: atomic publication, the plugin's sidecar, a verified manifest, resume selection,
 clean-up of crashed saves, and retention.
 
-Owns: the folder layout (``<tag>.partial`` while written, renamed to ``<tag>``; ``latest``; ``<tag>.invalid`` for a
-damaged checkpoint moved aside), ``pseudo_to_real.json`` (stage, step, layout) and ``manifest.json`` (size and
-crc32 of every file). Knows nothing of DeepSpeed: the controller decides what to save and load. Functions marked
-collective must be called on every rank when torch.distributed is initialized (they split the checksum work
-between ranks and agree on the outcome); the rest are rank 0's. Assumes one file system shared by all ranks.
+Owns: the folder layout (``<tag>.<writer>.partial`` while written, renamed to ``<tag>``; ``latest``; ``<tag>.invalid``
+for a damaged checkpoint moved aside; ``run.lock``, see ``run_lock``), ``pseudo_to_real.json`` (stage, step, layout,
+the run it belongs to) and ``manifest.json`` (size and crc32 of every file). Knows nothing of DeepSpeed: the
+controller decides what to save and load. Functions marked collective must be called on every rank when
+torch.distributed is initialized (they split the checksum work between ranks and agree on the outcome); the rest
+are rank 0's. Assumes one file system shared by all ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import sys
 import time
+import uuid
 import zlib
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from . import run_lock
 
 SIDECAR = "pseudo_to_real.json"
 MANIFEST = "manifest.json"
@@ -46,8 +51,9 @@ class VerifyMode(str, Enum):
     NONE = "none"  # only that the sidecar and manifest are there and readable
 
 
-def partial_tag(tag: str) -> str:
-    return tag + PARTIAL_SUFFIX
+def partial_tag(tag: str, writer: str = "") -> str:
+    """The folder ``tag`` is written into before it is published, named after the run writing it (``writer``)."""
+    return f"{tag}.{writer}{PARTIAL_SUFFIX}" if writer else tag + PARTIAL_SUFFIX
 
 
 def log(message: str) -> None:
@@ -162,8 +168,8 @@ def share_of(sizes: Dict[str, int], rank: int, world: int) -> List[str]:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # never another writer's temporary file
+    with open(tmp, "x") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
@@ -183,12 +189,76 @@ def _remove_tree(path: Path) -> None:
 
 
 # ---- writing ----------------------------------------------------------------------------------------------------
-def publish(save_dir: str, tag: str, sidecar: Dict[str, Any], written: Optional[Dict[str, FileEntry]] = None) -> None:
-    """Rank 0, after every rank finished writing ``<tag>.partial``: add the sidecar and the manifest (entries of
-    ``written``, checksummed while they were written; every other file is read here), then rename it to ``<tag>``
-    and point ``latest`` at it."""
+def _lock(folder: str) -> None:
+    try:
+        os.makedirs(folder, exist_ok=True)
+        run_lock.acquire(folder)
+    except (OSError, run_lock.FolderInUse) as error:
+        raise CheckpointError(str(error)) from None
+
+
+def claim(folder: str) -> None:
+    """Make ``folder`` and hold its lock (``run_lock``) on rank 0 for the life of this process, so that no other run
+    writes into it meanwhile; every rank raises the same CheckpointError, naming the run that holds it, when another
+    one does (collective)."""
+    failure = None
+    if rank_and_world()[0] == 0:
+        try:
+            _lock(folder)
+        except CheckpointError as error:
+            failure = str(error)
+    failure = gather(failure)[0]
+    if failure is not None:
+        raise CheckpointError(failure)
+
+
+@contextlib.contextmanager
+def holding(folder: str) -> Iterator[None]:
+    """``claim`` for one process that writes into ``folder`` for a while (``ds-pseudo-real convert``): the lock is
+    given up after the block, unless this process held it before."""
+    held_before = run_lock.holds(folder)
+    _lock(folder)
+    try:
+        yield
+    finally:
+        if not held_before:
+            run_lock.release(folder)
+
+
+def run_of(sidecar: Dict[str, Any]) -> str:
+    """The run a checkpoint belongs to: the id of the run that began its history from step 0 (a resumed run goes on
+    under the id of the checkpoint it resumed from); "" for checkpoints written before runs were recorded."""
+    return sidecar.get("run_id", "")
+
+
+def foreign_checkpoint(save_dir: str, tag: str, run_id: str) -> Optional[str]:
+    """Why the run ``run_id`` must not publish ``tag`` into ``save_dir``: another run's checkpoint (or a folder that
+    is no checkpoint) has that name, and publishing would replace it. None when the name is free or this run's own."""
+    folder = Path(save_dir) / tag
+    if not folder.exists():
+        return None
+    sidecar = _read_json(folder / SIDECAR)
+    if sidecar is not None and run_of(sidecar) == run_id:
+        return None
+    if sidecar is None:
+        what = "a folder that is not a complete checkpoint"
+    else:
+        writer = sidecar.get("written_by") or {}
+        what = (f"a checkpoint (step {sidecar.get('global_step')}) of another run, {run_of(sidecar) or 'not recorded'}"
+                + (f" (written on host {writer.get('host')} by pid {writer.get('pid')} at {writer.get('started')})"
+                   if writer else ""))
+    return (f"{folder} is {what}, which this run ({run_id or 'not recorded'}) would replace; checkpoints of another "
+            f"run are never replaced: move it out of {save_dir}, or save into another folder (a run resumed from a "
+            f"checkpoint goes on as that checkpoint's run, and replaces that run's later checkpoints)")
+
+
+def publish(save_dir: str, tag: str, sidecar: Dict[str, Any], written: Optional[Dict[str, FileEntry]] = None,
+            writer: str = "") -> None:
+    """Rank 0, after every rank finished writing ``partial_tag(tag, writer)``: add the sidecar and the manifest
+    (entries of ``written``, checksummed while they were written; every other file is read here), then rename it to
+    ``<tag>`` and point ``latest`` at it."""
     root = Path(save_dir)
-    staged = root / partial_tag(tag)
+    staged = root / partial_tag(tag, writer)
     write_atomic(staged / SIDECAR, json.dumps(dict(sidecar, format=SIDECAR_FORMAT), indent=1))
     entries = dict(written or {})
     for name in list_files(staged):
@@ -477,13 +547,15 @@ def last_good(save_dir: str) -> str:
     return f"the last good checkpoint is {Path(save_dir) / tag} (step {step})"
 
 
-def prune(save_dir: str, keep_last: Optional[int]) -> List[str]:
-    """Rank 0, after a checkpoint was published: keep the ``keep_last`` newest complete checkpoints and the newest
-    pseudo-stage one (what ``ds-pseudo-real convert`` needs); delete the other complete ones. Damaged, moved-aside
-    and foreign folders are never touched. Returns the tags removed (also logged)."""
+def prune(save_dir: str, keep_last: Optional[int], run_id: str = "") -> List[str]:
+    """Rank 0, after a checkpoint was published: of the run ``run_id``'s complete checkpoints, keep the
+    ``keep_last`` newest and the newest pseudo-stage one (what ``ds-pseudo-real convert`` needs); delete the others.
+    Other runs' checkpoints, damaged, moved-aside and foreign folders are never touched. Returns the tags removed
+    (also logged)."""
     if keep_last is None:
         return []
-    complete = [c for c in list_checkpoints(save_dir) if (Path(save_dir) / c.tag / SIDECAR).is_file()]
+    sidecars = {c.tag: _read_json(Path(save_dir) / c.tag / SIDECAR) for c in list_checkpoints(save_dir)}
+    complete = [c for c in list_checkpoints(save_dir) if sidecars[c.tag] is not None and run_of(sidecars[c.tag]) == run_id]
     keep = {c.tag for c in complete[:keep_last]}
     pseudo = next((c for c in complete if c.stage == "pseudo"), None)
     if pseudo is not None:

@@ -1,5 +1,5 @@
 """The ``ds-pseudo-real`` command: ``train`` (the main job), ``preprocess`` (jsonl -> Megatron indexed dataset),
-``convert`` (pseudo -> real checkpoint), ``plan`` (granular offload placement). Each subcommand lives with the code it drives; this module only dispatches."""
+``convert`` (a checkpoint for another layout, or pseudo -> real), ``plan`` (granular offload placement). Each subcommand lives with the code it drives; this module only dispatches."""
 from __future__ import annotations
 
 import importlib
@@ -9,7 +9,8 @@ from typing import List, Optional
 COMMANDS = {
     "train": ("launch.train", "the main job: train through the pseudo and real stages (same flags as launch/train.py)"),
     "preprocess": ("ds_pseudo_real.preprocess", "tokenize a jsonl file into a Megatron indexed dataset (.bin/.idx)"),
-    "convert": ("ds_pseudo_real.convert", "convert a pseudo-stage checkpoint into a real-stage one, offline"),
+    "convert": ("ds_pseudo_real.convert", "convert a checkpoint for another rank count or ZeRO stage (--to-real: a "
+                                          "pseudo-stage one into the real model), offline"),
     "plan": ("ds_pseudo_real.offload.cli", "print a granular offload placement plan as a table"),
     "slurm": ("launch.slurm", "write and submit a SLURM batch script (same flags as python -m launch.slurm)"),
     "hostfile": ("launch.hostfile", "write a DeepSpeed hostfile (same flags as python -m launch.hostfile)"),

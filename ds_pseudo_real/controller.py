@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 import zlib
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -27,7 +28,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from . import checkpoint as ckpt
-from . import ds_state
+from . import ds_state, run_lock
 from .callbacks import PSEUDO, REAL, CallbackList, TrainingCallback, TrainingControl, TrainingState
 from .config import (
     MAIN_JOB_SECTIONS,
@@ -313,6 +314,10 @@ class PseudoToRealController:
         self.engine, self.optimizer, self.training_dataloader, self.lr_scheduler = self._initialize(
             model, training_data, collate_fn
         )
+        # rank 0's id for this controller names its temporary folders; it is also the run's id until it resumes
+        # from a checkpoint, whose run it then goes on as
+        self._writer = ckpt.gather(uuid.uuid4().hex[:12])[0]
+        self.run_id = self._writer
         self.callbacks.fire("on_train_begin", self.state, self.control)
 
     # ---- engine construction -------------------------------------------------------------------------------
@@ -342,13 +347,15 @@ class PseudoToRealController:
             config=ds_config if self._monitor is None else ds_state.without_monitors(ds_config),
         )
         # the transition reads and writes this engine's optimizer state; save_checkpoint wraps its checkpoint engine
-        ds_state.check_internals(engine, *(["pseudo_to_real"] if self.config.enabled else []), "save_checkpoint")
+        ds_state.check_internals(engine, *(["pseudo_to_real"] if self.config.enabled else []), "save_checkpoint",
+                                 "monitors")
         if self.offload_plan is not None:
             from .offload import attach_to_engine
 
             attach_to_engine(engine)
         if self._monitor is not None:  # one TensorBoard/CSV/W&B writer for the whole run, across the delink
             engine.monitor = self._monitor
+        ds_state.warn_on_failed_monitor_writes(engine, ckpt.warn)
         target = ds_state.basic_optimizer(engine)
         if target is not None:
             target.register_step_pre_hook(self._scale_lr)
@@ -709,35 +716,45 @@ class PseudoToRealController:
             "depth": self.depth,
             "zero_stage": self.engine.zero_optimization_stage(),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "run_id": self.run_id,
         }
 
     def _prepare_dir(self, folder: str) -> None:
-        """Once per folder and run, before the first save or load there: rank 0 creates it and removes what crashed
-        saves left (after a barrier, so that no rank is still writing)."""
+        """Once per folder and run, before the first save or load there: rank 0 creates it, takes its lock for the
+        life of the process (:func:`~ds_pseudo_real.checkpoint.claim`: another run holding it is a CheckpointError on
+        every rank) and removes what crashed saves left (after a barrier, so that no rank is still writing)."""
         if folder in self._prepared_dirs:
             return
         _barrier()
+        ckpt.claim(folder)
         if is_rank0():
-            os.makedirs(folder, exist_ok=True)
             ckpt.remove_stale(folder)
         _barrier()
         self._prepared_dirs.add(folder)
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict] = None) -> str:
-        """Write a checkpoint atomically: ``<tag>.partial`` by every rank (each file checksummed as it is written
-        and fsynced), then rank 0 adds the manifest and renames it to ``<tag>`` + ``latest``, then applies
-        ``checkpoint.keep_last``. A failed write on any rank raises :class:`~ds_pseudo_real.checkpoint.CheckpointError`
-        on every rank, naming the file and the last good checkpoint; the partial folder is removed and training can
-        go on (a later save can succeed once the cause is gone)."""
+        """Write a checkpoint atomically: ``<tag>.<writer>.partial`` by every rank (each file checksummed as it is
+        written and fsynced), then rank 0 adds the manifest and renames it to ``<tag>`` + ``latest``, then applies
+        ``checkpoint.keep_last`` to this run's checkpoints. A ``tag`` that names another run's checkpoint is refused
+        before anything is written, and so is every save once the folder's lock file names another run
+        (:class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank). A failed write on any rank raises
+        CheckpointError on every rank, naming the file and the last good checkpoint; the partial folder is removed
+        and training can go on (a later save can succeed once the cause is gone)."""
         tag = tag or f"global_step{self.engine.global_steps}"
         client = dict(client_state or {})
         client[CLIENT_KEY] = self._plugin_state()
         self._prepare_dir(save_dir)
-        staged = os.path.join(save_dir, ckpt.partial_tag(tag))
+        refusal = (run_lock.taken_over(save_dir) or ckpt.foreign_checkpoint(save_dir, tag, self.run_id)
+                   if is_rank0() else None)
+        refusal = ckpt.gather(refusal)[0]
+        if refusal is not None:
+            raise ckpt.CheckpointError(f"checkpoint {os.path.join(save_dir, tag)} was not saved: {refusal}")
+        staged = os.path.join(save_dir, ckpt.partial_tag(tag, self._writer))
         written, failure = {}, None
         try:
             with ds_state.checksummed_writes(self.engine, staged) as written:
-                self.engine.save_checkpoint(save_dir, tag=ckpt.partial_tag(tag), client_state=client, save_latest=False)
+                self.engine.save_checkpoint(save_dir, tag=os.path.basename(staged), client_state=client,
+                                            save_latest=False)
         except (OSError, RuntimeError) as error:
             failure = error
             _barrier()  # the closing barrier of DeepSpeed's save_checkpoint, which this rank skipped
@@ -749,12 +766,14 @@ class PseudoToRealController:
             try:
                 merged = {name: entry for part in every for name, entry in part.items()}
                 swapped = {"swapped_state_files": swap_files} if any(f is not None for f in swap_files) else {}
-                ckpt.publish(save_dir, tag, {**self._sidecar(), "state": fingerprints, **swapped}, merged)
+                sidecar = {**self._sidecar(), "written_by": run_lock.holder_record(save_dir), "state": fingerprints,
+                           **swapped}
+                ckpt.publish(save_dir, tag, sidecar, merged, self._writer)
             except OSError as error:
                 failure = error
         self._raise_if_save_failed(save_dir, tag, failure)
         if is_rank0():
-            ckpt.prune(save_dir, self.checkpoint_options.keep_last)
+            ckpt.prune(save_dir, self.checkpoint_options.keep_last, self.run_id)
         _barrier()
         return os.path.join(save_dir, tag)
 
@@ -764,7 +783,7 @@ class PseudoToRealController:
         ranks = [rank for rank, report in enumerate(reports) if report]
         if not ranks:
             return
-        staged = os.path.join(save_dir, ckpt.partial_tag(tag))
+        staged = os.path.join(save_dir, ckpt.partial_tag(tag, self._writer))
         if is_rank0():
             shutil.rmtree(staged, ignore_errors=True)
         _barrier()
@@ -782,6 +801,8 @@ class PseudoToRealController:
         warning; :class:`~ds_pseudo_real.checkpoint.CheckpointError` when checkpoints exist but none verifies);
         ``(None, {})`` when ``load_dir`` holds none. ``tag`` given (a tag in ``load_dir`` or the path of a checkpoint
         folder): that one, which must verify. ``verify`` overrides ``checkpoint.verify`` (checksum, size, none).
+        The run then goes on as the checkpoint's run (its saves may replace that run's later checkpoints); with
+        ``tag`` None, rank 0 first takes ``load_dir``'s lock, as the first save there does.
         """
         mode = verify or self.checkpoint_options.verify
         if tag is None:
@@ -834,6 +855,7 @@ class PseudoToRealController:
         client = dict(client or {})
         self._restore_plugin_state(client.pop(CLIENT_KEY))
         self.rewind_monitors()
+        self.run_id = ckpt.run_of(side)  # resumed: this run goes on as the checkpoint's
         log_rank0(f"resumed from {os.path.join(load_dir, tag)} at step {self.engine.global_steps} ({self.state.stage} stage)")
         return path, client
 
@@ -904,28 +926,31 @@ class PseudoToRealController:
                 f"{where} has {side['num_layers']} layers at {side['layers']!r}; "
                 f"this model has {self.num_layers} at {self.layer_path!r}"
             )
+        converted = f"{os.path.normpath(load_dir)}_converted"
         if side["stage"] == PSEUDO and self.state.stage == REAL:
             raise ConfigError(
                 f"{where} is a pseudo-stage checkpoint but this run is in the real stage "
-                f"(pseudo_to_real.enabled is false?); convert it with `ds-pseudo-real convert`"
+                f"(pseudo_to_real.enabled is false?); expand it to the real model with `ds-pseudo-real convert "
+                f"--to-real --input {load_dir} --tag {tag} --output {converted}` and resume from "
+                f"{os.path.join(converted, tag)}"
             )
-        if side["kind"] == "converted":
-            return
         saved = (side.get("depth", self.num_layers), side["groups"])
         if side["stage"] == PSEUDO and saved not in self.stages:
             raise ConfigError(f"{where} has {saved[1]} parameter groups of {saved[0]} layers; this run's stages have "
                               f"{self.stage_groups[:-1] if self.stage_groups[-1] == self.num_layers else self.stage_groups}"
                               f" (pseudo_to_real.groups or schedule)")
+        if side["kind"] == "converted":
+            return
         world = dist.get_world_size() if dist.is_initialized() else 1
         zero = self.engine.zero_optimization_stage()
         saved_world, saved_zero = side.get("world_size", world), side.get("zero_stage", zero)
         if saved_zero != zero or (zero > 0 and saved_world != world):
-            converted = f"{os.path.normpath(load_dir)}_converted"
             raise ckpt.CheckpointError(
                 f"{where} was saved by {saved_world} ranks at ZeRO stage {saved_zero}; this run has {world} ranks at "
                 f"ZeRO stage {zero}, and DeepSpeed's ZeRO optimizer state only loads on the layout that saved it. "
-                f"Convert it, then resume from the converted one (weights, steps, LR schedule and trigger state are "
-                f"kept; Adam moments start at zero):\n  ds-pseudo-real convert --input {load_dir} --tag {tag} "
+                f"Convert it, then resume from the converted one, which keeps the weights, steps, LR schedule, "
+                f"trigger state and its stage (a pseudo-stage one goes on in the pseudo stage and delinks where "
+                f"configured); Adam moments start at zero:\n  ds-pseudo-real convert --input {load_dir} --tag {tag} "
                 f"--output {converted}\nand run with --resume-from {os.path.join(converted, tag)} "
                 f"(or go back to {saved_world} ranks at ZeRO stage {saved_zero})"
             )
@@ -938,11 +963,16 @@ class PseudoToRealController:
         self.callbacks.load_state_dict(plugin["callbacks"])
 
     def _load_converted(self, load_dir: str, tag: str, side: Dict[str, Any]) -> Tuple[str, Dict]:
+        """A checkpoint of ``ds-pseudo-real convert``: the model of its stage built from its fp32 weights, its steps,
+        LR schedule position and plugin state restored; Adam moments start at zero."""
         folder = os.path.join(load_dir, tag)
         weights = torch.load(os.path.join(folder, "model_fp32.pt"), map_location="cpu", weights_only=True)
         trainer = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=False)
         self._release_engine()
-        self._build_real_engine(weights)
+        if side["stage"] == REAL:
+            self._build_real_engine(weights)
+        else:
+            self._build_engine(side.get("depth", self.num_layers), side["groups"], weights)
         for key in ("global_steps", "global_samples", "skipped_steps"):
             setattr(self.engine, key, trainer[key])
         self.engine.micro_steps = trainer["global_steps"] * self.engine.gradient_accumulation_steps()
@@ -953,8 +983,11 @@ class PseudoToRealController:
         plugin = client.pop(CLIENT_KEY, None)
         if plugin is not None:
             self._restore_plugin_state(plugin)
-        self.state.stage = REAL
-        self.state.switch_step = self.state.switch_step or self.engine.global_steps
+        if side["stage"] == REAL:
+            self.state.stage = REAL
+            self.state.switch_step = self.state.switch_step or self.engine.global_steps
         self.rewind_monitors()
-        log_rank0(f"loaded converted real-stage checkpoint {folder} at step {self.engine.global_steps}; Adam moments start at zero")
+        self.run_id = ckpt.run_of(side)
+        log_rank0(f"loaded converted {side['stage']}-stage checkpoint {folder} at step {self.engine.global_steps}; Adam "
+                  f"moments start at zero")
         return folder, client

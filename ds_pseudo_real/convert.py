@@ -1,10 +1,11 @@
-"""Offline pseudo -> real checkpoint conversion: ``ds-pseudo-real convert --input DIR --output DIR``.
+"""Offline checkpoint conversion to any rank count or ZeRO stage: ``ds-pseudo-real convert --input DIR --output DIR
+[--to-real]``.
 
 Owns: consolidating a DeepSpeed checkpoint of any ZeRO stage and rank count into full fp32 weights (DeepSpeed's own
-``zero_to_fp32`` reader), expanding a pseudo-stage one to the real model's keys, and writing a "converted"
-checkpoint that ``load_checkpoint`` of a real-stage run on any number of ranks or ZeRO stage accepts. Carries
-the weights, the step counters, the LR schedule position and the plugin state; Adam moments start at zero
-(the sharded optimizer layout depends on the rank count; in-process delinks carry them).
+``zero_to_fp32`` reader), optionally expanding a pseudo-stage one to the real model's keys, and writing a
+"converted" checkpoint that ``load_checkpoint`` accepts on any number of ranks or ZeRO stage, in the stage it holds.
+Carries the weights, the step counters, the LR schedule position and the plugin state (the stage and its trigger);
+Adam moments start at zero (the sharded optimizer layout depends on the rank count; in-process delinks carry them).
 """
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import argparse
 import glob
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
 from . import checkpoint as ckpt
+from . import run_lock
 from .callbacks import PSEUDO, REAL
 from .sharing import expand_state_dict
 
@@ -67,10 +70,11 @@ def _offload_own_weights(folder: Path, model_states: Dict, known: set) -> Dict[s
     return out
 
 
-def convert(input_dir: str, output_dir: str, tag: Optional[str] = None) -> Path:
-    """Write a real-stage "converted" checkpoint of ``input_dir/tag`` (default: the newest that verifies): a pseudo
-    checkpoint expanded to every layer, or a real one consolidated, so that it loads on any rank count or ZeRO
-    stage."""
+def convert(input_dir: str, output_dir: str, tag: Optional[str] = None, to_real: bool = False) -> Path:
+    """Write a "converted" checkpoint of ``input_dir/tag`` (default: the newest that verifies) into ``output_dir``
+    that loads on any rank count or ZeRO stage, in the stage it was saved in: a run resumed from a pseudo-stage one
+    goes on in the pseudo stage and delinks where its config says. ``to_real``: a pseudo-stage one is expanded to
+    every layer, and loads as the real model."""
     if tag is None:
         chosen = ckpt.select_resume(input_dir, move_aside=False)
         if chosen is None:
@@ -88,13 +92,13 @@ def convert(input_dir: str, output_dir: str, tag: Optional[str] = None) -> Path:
     model_states = torch.load(_model_states_file(folder), map_location="cpu", weights_only=False)
     weights = consolidated_fp32_weights(folder, side["zero_stage"], model_states, side.get("swapped_state_files"))
     plugin = model_states.get(CLIENT_KEY)
-    if side["stage"] == PSEUDO:
-        real = expand_state_dict(weights, side["layers"], side["num_layers"], side["groups"], clone=True)
+    stage = side["stage"]
+    if stage == PSEUDO and to_real:
+        weights = expand_state_dict(weights, side["layers"], side["num_layers"], side["groups"], clone=True)
+        stage = REAL
         if plugin is not None:
             state = dict(plugin["state"], stage=REAL, switch_step=model_states["global_steps"])
             plugin = {"state": state, "callbacks": plugin["callbacks"]}
-    else:
-        real = weights
     trainer = {
         "global_steps": model_states["global_steps"],
         "global_samples": model_states.get("global_samples", 0),
@@ -102,29 +106,37 @@ def convert(input_dir: str, output_dir: str, tag: Optional[str] = None) -> Path:
         "lr_scheduler": model_states.get("lr_scheduler"),
         "client_state": {CLIENT_KEY: plugin} if plugin is not None else {},
     }
-    staged = Path(output_dir) / ckpt.partial_tag(tag)
-    staged.mkdir(parents=True, exist_ok=True)
-    torch.save(real, staged / "model_fp32.pt")
-    torch.save(trainer, staged / "trainer_state.pt")
-    sidecar = dict(side, kind="converted", stage=REAL, converted_from=str(folder))
-    ckpt.publish(output_dir, tag, sidecar)
+    with ckpt.holding(output_dir):
+        refusal = ckpt.foreign_checkpoint(output_dir, tag, ckpt.run_of(side))
+        if refusal is not None:
+            raise ckpt.CheckpointError(f"not converting {folder}: {refusal}")
+        writer = uuid.uuid4().hex[:12]
+        staged = Path(output_dir) / ckpt.partial_tag(tag, writer)
+        staged.mkdir()
+        torch.save(weights, staged / "model_fp32.pt")
+        torch.save(trainer, staged / "trainer_state.pt")
+        sidecar = dict(side, kind="converted", stage=stage, converted_from=str(folder),
+                       written_by=run_lock.holder_record(output_dir))
+        ckpt.publish(output_dir, tag, sidecar, writer=writer)
     return Path(output_dir) / tag
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ds-pseudo-real convert",
-        description="Convert a checkpoint (pseudo or real stage) into a real-stage one that loads on any rank count or "
-                    "ZeRO stage.",
+        description="Convert a checkpoint into one that loads on any rank count or ZeRO stage, in the stage it was "
+                    "saved in (a pseudo-stage one goes on in the pseudo stage and delinks where configured).",
     )
     parser.add_argument("--input", required=True, help="folder of checkpoints (holds 'latest'), pseudo or real stage")
-    parser.add_argument("--output", required=True, help="folder to write the real-stage checkpoint into")
+    parser.add_argument("--output", required=True, help="folder to write the converted checkpoint into")
     parser.add_argument("--tag", default=None, help="checkpoint tag to convert (default: the newest that verifies)")
+    parser.add_argument("--to-real", action="store_true",
+                        help="expand a pseudo-stage checkpoint to every layer: it loads as the real model")
     args = parser.parse_args(argv)
     if os.path.abspath(args.input) == os.path.abspath(args.output):
         parser.error("--output must differ from --input")
-    out = convert(args.input, args.output, args.tag)
-    print(f"wrote real-stage checkpoint {out}")
+    out = convert(args.input, args.output, args.tag, args.to_real)
+    print(f"wrote {ckpt.read_sidecar(str(out.parent), out.name)['stage']}-stage checkpoint {out}")
     return 0
 
 

@@ -7,8 +7,9 @@ lazily created optimizer state so moments can be set before the first step, the 
 folding the norm of gradients DeepSpeed does not hold (granular offload's own groups) into its global gradient
 norm and its overflow decision and dropping them when it zeroes its own, by wrapping methods on the engine's own
 optimizer instance (its norm, the unfused optimizer's overflow check, ``zero_grad``: they live and die with that
-engine), checksumming the files its checkpoint engine writes, and keeping one monitor per run, rewound to the step a
-run resumes from (:func:`rewind_monitors`). One class-level patch: the model broadcast at
+engine), checksumming the files its checkpoint engine writes, keeping one monitor per run, rewound to the step a run
+resumes from (:func:`rewind_monitors`), and warning instead of raising when it cannot write
+(:func:`warn_on_failed_monitor_writes`). One class-level patch: the model broadcast at
 initialize sends host tensors (granular offload's host_params) through the device under NCCL
 (:func:`route_host_broadcasts`, undone by :func:`unroute_host_broadcasts`).
 """
@@ -94,8 +95,9 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
         "DeepSpeedEngine": ("_broadcast_model",),
         "deepspeed.comm": ("broadcast",),
     },
-    "monitors": {  # one writer per run across engines, rewound to the step a run resumes from (rank 0's monitor)
-        "DeepSpeedEngine": ("monitor",),
+    "monitors": {  # one writer per run across engines, rewound to the step a run resumes from (rank 0's monitor);
+        # a failed write (a full disk) is a warning, not an exception out of engine.step
+        "DeepSpeedEngine": ("monitor", "monitor.write_events"),
         "MonitorMaster": ("tb_monitor", "csv_monitor"),
         "TensorBoardMonitor": ("summary_writer",),
         "csvMonitor": ("log_dir", "filenames"),
@@ -912,6 +914,30 @@ def drop_gradients_with(engine, drop: Callable[[], None]) -> None:
         drop()
 
     optimizer.zero_grad = zero_grad
+
+
+def warn_on_failed_monitor_writes(engine, warn: Callable[[str], None]) -> None:
+    """Make the engine's monitor (DeepSpeed's ``MonitorMaster``: its TensorBoard, CSV, W&B and Comet writers, which
+    ``engine.step`` writes through too) treat a write that fails with an OSError (a full disk) as a save that fails
+    is treated: ``warn`` the first time, and training goes on; the events of that call are lost. Wraps the write of
+    that monitor instance, once (the controller hands one monitor from engine to engine)."""
+    monitor = engine.monitor
+    if hasattr(monitor.write_events, "__wrapped__"):
+        return
+    write = monitor.write_events
+    warned = []
+
+    @functools.wraps(write)
+    def write_events(*args, **kwargs):
+        try:
+            return write(*args, **kwargs)
+        except OSError as error:
+            if not warned:
+                warned.append(error)
+                warn(f"could not write DeepSpeed's monitors' events: {error}; training goes on without them (later "
+                     f"events are written once there is room; this warning is not repeated)")
+
+    monitor.write_events = write_events
 
 
 def steps_when_built(engine) -> bool:

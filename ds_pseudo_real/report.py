@@ -1,8 +1,9 @@
 """The run's loss history: a JSONL log that reads like one run across resumes, monitor CSV files rewound to the step
 a run resumes from, and the train/validation plot with the switch marked.
 
-Owns: writing ``metrics.jsonl``, rewriting a log up to the step a run resumes from (atomically, the lines it drops
-kept in ``<file>.discarded``), reading the continuous history, and drawing ``loss.png``. Knows nothing of engines.
+Owns: writing ``metrics.jsonl`` (a failed write is a warning, never the end of the run), rewriting a log up to the
+step a run resumes from (atomically, the lines it drops kept in ``<file>.discarded``), reading the continuous
+history, and drawing ``loss.png``. Knows nothing of engines.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from typing import Dict, Iterable, List, Optional
 DISCARDED = ".discarded"  # suffix of the file beside a log that keeps the lines rewinding it dropped
 RESUME = "resume"
 
+from .checkpoint import warn
+
 
 class MetricsLog:
     """JSONL, one record a line. A run started at step N (resumed, or N = 0 for a fresh start over an old history)
@@ -27,16 +30,46 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._warned = self._line_cut = False
         if self.path.is_file() and self.path.stat().st_size:
             lines = _lines(self.path)
             records = [_parse(line) for line in lines]
-            rewrite_keeping(self.path, lines, [i for i in _history(records)
-                                               if records[i].get("step", 0) <= resume_step])
+            try:
+                rewrite_keeping(self.path, lines, [i for i in _history(records)
+                                                   if records[i].get("step", 0) <= resume_step])
+            except OSError as error:  # readers still drop what the resume event below supersedes
+                warn(f"could not rewind {self.path} to step {resume_step}: {error}; its later records stay in it")
+            self._line_cut = True  # a crash mid-write can have left the last line unfinished
             self.write({"event": RESUME, "step": resume_step})
 
+    def _terminate_partial_line(self) -> None:
+        """A crash or a full disk mid-write can leave the last line unfinished; start the next record on a line of
+        its own."""
+        if not self.path.is_file() or not self.path.stat().st_size:
+            return
+        with open(self.path, "rb") as handle:
+            handle.seek(-1, 2)
+            ends_with_newline = handle.read(1) == b"\n"
+        if not ends_with_newline:
+            with open(self.path, "a") as handle:
+                handle.write("\n")
+
     def write(self, record: Dict) -> None:
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        """Append ``record``. A write that fails (a full disk) is a warning, the first time, as a failed save is: the
+        record is lost, training goes on, and later records are written, each on a line of its own, once there is
+        room."""
+        try:
+            if self._line_cut:
+                self._terminate_partial_line()
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            self._line_cut = False
+        except OSError as error:
+            self._line_cut = True
+            if not self._warned:
+                self._warned = True
+                warn(f"could not write {self.path}: {error}; training goes on without these records (later ones "
+                     f"are written once there is room; this warning is not repeated)")
 
 
 def _lines(path: Path) -> List[str]:

@@ -3,7 +3,8 @@ datasets, pseudo stage -> delink -> real stage.
 
 Started by the deepspeed launcher (``deepspeed launch/train.py --deepspeed_config configs/tiny_cpu.json``),
 torchrun, srun, or ``ds-pseudo-real train``. Resumes from the newest checkpoint in ``<output-dir>/checkpoints`` that
-verifies (or ``--resume-from``); on SIGUSR1/SIGTERM it saves a checkpoint at the next step boundary and exits 0.
+verifies (or ``--resume-from``); on SIGUSR1/SIGTERM, or when its launcher is gone, it saves a checkpoint at the next
+step boundary and exits 0. Holds ``<output-dir>/checkpoints/run.lock`` while it runs: a second run there stops at once.
 ``python -m launch.train --check CONFIG --world-size N`` runs its start-up validation alone, before any rank starts.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pydantic import ValidationError
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 import ds_pseudo_real
-from ds_pseudo_real.checkpoint import CheckpointError
+from ds_pseudo_real.checkpoint import CheckpointError, claim
 from ds_pseudo_real.config import (
     SECTION, ConfigError, PseudoToRealConfig, check_top_level_keys, load_ds_config, parse_pseudo_to_real,
     split_checkpoint_options,
@@ -36,6 +37,7 @@ from ds_pseudo_real.ds_state import MONITOR_SECTIONS, total_parameter_numel
 from ds_pseudo_real.models.build import ModelSpec, build_model, model_spec, parameter_groups
 from ds_pseudo_real.offload.config import gradient_accumulation_steps, parse_granular_offload
 from ds_pseudo_real.report import MetricsLog, plot_history, read_records
+from launch.launcher_watch import watch_launcher
 
 DEFAULT_STEPS = 600
 
@@ -90,12 +92,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 class StopOnSignal:
-    """Turns SIGUSR1/SIGTERM into a flag checked at step boundaries (all ranks agree through an all-reduce)."""
+    """Turns SIGUSR1/SIGTERM into a flag checked at step boundaries (all ranks agree through an all-reduce); a rank
+    whose launcher is gone (killed by a signal it does not pass on) sends itself SIGTERM."""
 
     def __init__(self):
         self.received: Optional[str] = None
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._handle)
+        watch_launcher()
 
     def _handle(self, signum, _frame):
         self.received = signal.Signals(signum).name
@@ -262,6 +266,7 @@ def train(args: argparse.Namespace) -> int:
     ds_config, spec, steps, micro, gas = job.ds_config, job.spec, job.steps, job.micro, job.gas
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     ckpt_dir = out / "checkpoints"
+    claim(str(ckpt_dir))  # the configuration is valid: the folder is this run's until it ends (a second run stops here)
     if rank == 0:
         print(f"data: {job.data.describe()}", flush=True)
     corpus = build_corpus(job.data, seq_len=spec.seq_len, seed=args.seed, train_samples=steps * gas * micro * world,
@@ -295,6 +300,10 @@ def train(args: argparse.Namespace) -> int:
         print(f"training {steps} steps from step {start_step}: {tokens_per_step} tokens/step, stage {engine.stage}, "
               f"{ds_pseudo_real.parameter_count(engine.module):,} parameters per rank, {total:,} in total, output "
               f"{out}", flush=True)
+        if (switch_step(engine) or 0) > steps:
+            print(f"[ds_pseudo_real] WARNING: the next delink is planned at step {switch_step(engine)}, after this run's "
+                  f"last step {steps} (--steps, else scheduler.params.total_num_steps): this run trains only the "
+                  f"{engine.stage} model", file=sys.stderr, flush=True)
 
     seen_transition = engine.last_transition
     window_start, window_steps = time.perf_counter(), 0
@@ -354,8 +363,11 @@ def train(args: argparse.Namespace) -> int:
     if engine.global_steps > start_step or not ckpt_dir.exists():
         engine.save_checkpoint(str(ckpt_dir))
     if rank == 0:
-        plot_history(read_records(out / "metrics.jsonl"), out / "loss.png", title=f"{Path(args.deepspeed_config).name}")
-        print(f"wrote {out / 'metrics.jsonl'} and {out / 'loss.png'}", flush=True)
+        try:
+            plot_history(read_records(out / "metrics.jsonl"), out / "loss.png", title=Path(args.deepspeed_config).name)
+            print(f"wrote {out / 'metrics.jsonl'} and {out / 'loss.png'}", flush=True)
+        except OSError as error:  # like a failed log write: the run itself is done and saved
+            print(f"[ds_pseudo_real] WARNING: could not write {out / 'loss.png'}: {error}", file=sys.stderr, flush=True)
     print(f"rank {rank} finished at step {engine.global_steps} stage {engine.stage}", flush=True)
     return 0
 

@@ -14,7 +14,9 @@ Written against Megatron-LM's public training interface (tag core_v0.16.1):
 ``setup_model_and_optimizer(model_provider, model_type)``, ``get_args()``, ``train_step(forward_step_func,
 data_iterator, model, optimizer, opt_param_scheduler, config, ...)`` called by ``train()`` with the same model list
 and optimizer object every iteration, ``args.curr_iteration``, and the checkpoint layout
-``<load>/latest_checkpointed_iteration.txt`` (an iteration or ``release``) with ``--ckpt-step``.
+``<load>/latest_checkpointed_iteration.txt`` (an iteration or ``release``) with ``--ckpt-step``. The ``--save`` folder
+is held for the run's life as the main job holds its output folder (``ds_pseudo_real.checkpoint.claim``), and what
+the drop-in refuses (its flags, the checkpoint to load, a folder in use) is one ``error:`` line from rank 0, exit 2.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from typing import Callable, List, Optional, Union
 
 import torch
 
+from ds_pseudo_real.checkpoint import CheckpointError, claim
 from ds_pseudo_real.config import OptimizerStatePolicy
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -55,8 +58,13 @@ def add_arguments(parser):
     return parser
 
 
+class DropInError(AssertionError):
+    """A flag, or a checkpoint to load, that the drop-in refuses; an AssertionError as Megatron's own validate_args
+    raises, which ``main`` prints as one ``error:`` line from rank 0 (every rank exits 2)."""
+
+
 def check_arguments(args) -> None:
-    """Cross-flag checks, failing the way Megatron's own validate_args does (AssertionError naming the flags)."""
+    """Cross-flag checks naming the flags (:class:`DropInError`)."""
     switch = args.pseudo_to_real_switch_iter
     _require(switch is None or switch >= 1, f"--pseudo-to-real-switch-iter must be >= 1, got {switch}")
     groups = args.pseudo_to_real_groups
@@ -121,7 +129,13 @@ def pseudo_stage_at_start(switch_iter: Optional[int], checkpoint: Union[int, str
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
-        raise AssertionError(message)
+        raise DropInError(message)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def _chain(first: Optional[Callable], second: Callable) -> Callable:
@@ -177,8 +191,14 @@ class PseudoToRealRun:
         run_args = self.get_args()
         if self.pseudo_stage is None:
             check_arguments(run_args)
+            if run_args.save:
+                claim(run_args.save)
             checkpoint = checkpoint_to_load(run_args.load, getattr(run_args, "ckpt_step", None))
             self.pseudo_stage = pseudo_stage_at_start(run_args.pseudo_to_real_switch_iter, checkpoint)
+            switch, last = run_args.pseudo_to_real_switch_iter, run_args.train_iters
+            if self.pseudo_stage and last is not None and switch > last and _rank() == 0:
+                print(f"[megatron_patches] WARNING: --pseudo-to-real-switch-iter {switch} is beyond --train-iters "
+                      f"{last}: this run trains only the pseudo model", file=sys.stderr, flush=True)
         context = shared_parameter_decoder(run_args.pseudo_to_real_groups) if self.pseudo_stage else contextlib.nullcontext()
         with context:
             model = self.user_model_provider(*args, **kwargs)
@@ -324,6 +344,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
         runpy.run_path(script, run_name="__main__")
+    except (DropInError, CheckpointError) as error:
+        if _rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
     finally:
         uninstall()
         # Megatron-LM's scripts leave the process group to the interpreter's teardown, where gloo's worker threads can

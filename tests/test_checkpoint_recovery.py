@@ -3,17 +3,21 @@ verifies is resumed (with the uninterrupted run's losses); none that verifies st
 partial folders go at start; a full disk names the file and the last good checkpoint; retention keeps the last N
 and the last pseudo-stage one; a world size or ZeRO stage that cannot load says what to run; the metrics history
 is rewound to the step a run resumes from, what it drops kept aside."""
+import errno
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ds_pseudo_real import checkpoint as ckpt
-from ds_pseudo_real import ds_state
+from ds_pseudo_real import ds_state, report, run_lock
 from ds_pseudo_real.config import ConfigError, split_checkpoint_options
 from ds_pseudo_real.report import MetricsLog, read_records, rewind_csv
 from conftest import run_two_ranks
@@ -23,13 +27,14 @@ SAVED_AT = (2, 3, 5, 6)  # pseudo, pseudo, real, real (the delink happens at ste
 
 
 # ---- the folder layout, without engines ---------------------------------------------------------------------
-def fake_checkpoint(root: Path, step: int, stage: str = "real", payload: bytes = b"") -> str:
+def fake_checkpoint(root: Path, step: int, stage: str = "real", payload: bytes = b"", run_id: str = None) -> str:
     tag = f"global_step{step}"
     staged = root / ckpt.partial_tag(tag)
     (staged / "sub").mkdir(parents=True)
     (staged / "mp_rank_00_model_states.pt").write_bytes(payload or bytes(range(256)) * (40 + step))
     (staged / "sub" / "zero_pp_rank_0_optim_states.pt").write_bytes(b"x" * 1000)
-    ckpt.publish(str(root), tag, {"stage": stage, "global_step": step, "kind": "deepspeed"})
+    run = {} if run_id is None else {"run_id": run_id}
+    ckpt.publish(str(root), tag, {"stage": stage, "global_step": step, "kind": "deepspeed", **run})
     return tag
 
 
@@ -151,6 +156,98 @@ def test_prune_keeps_the_last_n_and_the_last_pseudo_checkpoint(tmp_path):
         "global_step0.invalid", "global_step2", "global_step4", "global_step5", "latest"]
 
 
+def test_prune_removes_only_this_runs_checkpoints(tmp_path):
+    for step, run in ((1, "old"), (2, "old"), (3, "new"), (4, "new"), (5, "new")):
+        fake_checkpoint(tmp_path, step, run_id=run)
+    assert ckpt.prune(str(tmp_path), 1, "new") == ["global_step4", "global_step3"]
+    assert ckpt.prune(str(tmp_path), 1, "other") == []
+    assert [c.tag for c in ckpt.list_checkpoints(str(tmp_path))] == ["global_step5", "global_step2", "global_step1"]
+
+
+def test_a_tag_of_another_run_is_never_replaced(tmp_path):
+    fake_checkpoint(tmp_path, 2, run_id="first")
+    fake_checkpoint(tmp_path, 3)  # written before runs were recorded
+    (tmp_path / "global_step4").mkdir()
+    assert ckpt.foreign_checkpoint(str(tmp_path), "global_step2", "first") is None  # its own: replaced as before
+    assert ckpt.foreign_checkpoint(str(tmp_path), "global_step9", "second") is None  # a free name
+    refusal = ckpt.foreign_checkpoint(str(tmp_path), "global_step2", "second")
+    assert refusal.startswith(f"{tmp_path / 'global_step2'} is a checkpoint (step 2) of another run, first, which "
+                              f"this run (second) would replace; checkpoints of another run are never replaced: "
+                              f"move it out of {tmp_path}, or save into another folder")
+    assert "of another run, not recorded, which this run (second)" in ckpt.foreign_checkpoint(
+        str(tmp_path), "global_step3", "second")
+    assert ckpt.foreign_checkpoint(str(tmp_path), "global_step3", "") is None  # resumed from one: the same history
+    assert "is a folder that is not a complete checkpoint" in ckpt.foreign_checkpoint(
+        str(tmp_path), "global_step4", "")
+
+
+def test_temporary_files_of_two_writers_never_collide(tmp_path, monkeypatch):
+    """Another run writing ``latest`` between this one's write and rename: each renames its own temporary file."""
+    real_replace = os.replace
+    interleaved = []
+
+    def other_run_writes_first(source, target):
+        if not interleaved:
+            interleaved.append(source)
+            ckpt.write_atomic(Path(target), "global_step9")
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", other_run_writes_first)
+    ckpt.write_atomic(tmp_path / ckpt.LATEST, "global_step5")
+    assert (tmp_path / ckpt.LATEST).read_text() == "global_step5" and os.listdir(tmp_path) == [ckpt.LATEST]
+
+
+HOLD_LOCK = ("import sys; from ds_pseudo_real import run_lock; run_lock.acquire(sys.argv[1]); print('held', flush=True); "
+             "sys.stdin.read()")
+
+
+def test_the_run_lock_refuses_a_second_process_naming_the_first_and_frees_with_it(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path), "--flag"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout.readline() == "held\n"
+    record = json.loads((tmp_path / run_lock.LOCK_FILE).read_text())
+    assert (record["host"], record["pid"]) == (socket.gethostname(), holder.pid)
+    assert record["command"] == f"-c {tmp_path} --flag"
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        ckpt.claim(str(tmp_path))
+    assert str(refused.value) == (
+        f"{tmp_path} is in use by another run (host {record['host']}, pid {holder.pid}, since {record['started']} "
+        f"(-c {tmp_path} --flag)), which holds {tmp_path / run_lock.LOCK_FILE}; wait for that run to end or stop it, "
+        f"or give this run another folder")
+    holder.stdin.close()
+    assert holder.wait(timeout=60) == 0
+    assert (tmp_path / run_lock.LOCK_FILE).read_text() == ""  # released at exit
+    ckpt.claim(str(tmp_path))  # the kernel dropped the lock with the process
+    ckpt.claim(str(tmp_path))  # held by this process already
+    assert json.loads((tmp_path / run_lock.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert run_lock.taken_over(str(tmp_path)) is None
+    intruder = dict(record, host="node7")  # a run that "took" it where locks do not exclude each other
+    (tmp_path / run_lock.LOCK_FILE).write_text(json.dumps(intruder))
+    assert run_lock.taken_over(str(tmp_path)).startswith(
+        f"{tmp_path / run_lock.LOCK_FILE} now names the run of host node7, pid {holder.pid}")
+
+
+@pytest.mark.parametrize("holder, refused", [
+    ({"host": socket.gethostname(), "pid": os.getppid()}, True),  # running here
+    ({"host": "node7", "pid": 1}, True),  # another host: cannot be checked
+    ({"host": socket.gethostname(), "pid": 2 ** 22 + 1}, False),  # gone: taken over
+], ids=["live_here", "other_host", "gone"])
+def test_without_file_locks_the_record_is_the_lock(tmp_path, monkeypatch, holder, refused):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
+    (tmp_path / run_lock.LOCK_FILE).write_text(json.dumps(dict(holder, started="then", command="x")))
+    if refused:
+        with pytest.raises(run_lock.FolderInUse, match=r"this file system keeps no locks \(No locks available\), so "
+                                                         r"the record is the only guard: if that run is over, delete"):
+            run_lock.acquire(str(tmp_path))
+    else:
+        run_lock.acquire(str(tmp_path))
+        assert json.loads((tmp_path / run_lock.LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
 def test_checkpoint_options_are_validated_and_removed_from_deepspeeds_section():
     section = {"verify": "size", "keep_last": 3, "tag_validation": "Fail"}
     rest, options = split_checkpoint_options({"checkpoint": section})
@@ -203,6 +300,29 @@ def test_history_written_before_rewinding_reads_and_rewinds_as_one_run(tmp_path)
     assert csv.read_text() == "step,loss\n8,1.0\n16,2.5\n24,3.5\n"
     assert (tmp_path / "Train_Samples_loss.csv.discarded").read_text() == "16,2.0\n24,3.0\nstep,loss\n32,4.\n"
     assert rewind_csv(csv, 24) and csv.read_text() == "step,loss\n8,1.0\n16,2.5\n24,3.5\n"  # nothing more
+
+
+def test_a_metrics_write_that_fails_is_one_warning_and_the_next_record_starts_a_line(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    log.write({"step": 1})
+
+    def full_disk(file, mode="r"):  # the disk fills mid-line
+        if "a" not in mode:
+            return open(file, mode)
+        with open(file, mode) as handle:
+            handle.write('{"step": 9, "tr')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(report, "open", full_disk, raising=False)
+    log.write({"step": 2})
+    log.write({"step": 3})
+    monkeypatch.undo()  # room again
+    log.write({"step": 4})
+    assert [r["step"] for r in read_records(path)] == [1, 4]
+    assert capsys.readouterr().err.splitlines() == [
+        f"[ds_pseudo_real] WARNING: could not write {path}: [Errno 28] No space left on device; training goes on "
+        f"without these records (later ones are written once there is room; this warning is not repeated)"]
 
 
 # ---- through the controller -----------------------------------------------------------------------------------
@@ -321,6 +441,31 @@ def test_keep_last_keeps_the_newest_and_the_last_pseudo_checkpoint(tmp_path):
     assert ckpt.read_sidecar(str(tmp_path), "global_step3")["stage"] == "pseudo"
 
 
+def test_a_fresh_run_never_replaces_another_runs_checkpoint_and_a_resumed_one_goes_on_as_that_run(tmp_path):
+    first = make()
+    train(first, 2)
+    first.save_checkpoint(str(tmp_path))
+    first.engine.destroy()
+    saved = ckpt.read_sidecar(str(tmp_path), "global_step2")
+    assert saved["run_id"] == first.run_id and saved["written_by"]["pid"] == os.getpid()
+    second = make(seed=3)  # started over (--no-resume): another run
+    train(second, 2)
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(
+            f"checkpoint {tmp_path / 'global_step2'} was not saved: {tmp_path / 'global_step2'} is a checkpoint "
+            f"(step 2) of another run, {first.run_id} (written on host {socket.gethostname()} by pid {os.getpid()}")):
+        second.save_checkpoint(str(tmp_path))
+    assert ckpt.read_sidecar(str(tmp_path), "global_step2") == saved and ckpt.verify(str(tmp_path), "global_step2").ok
+    assert sorted(os.listdir(tmp_path)) == ["global_step2", "latest", run_lock.LOCK_FILE, "zero_to_fp32.py",
+                                            "zero_to_torch.py"]
+    second.engine.destroy()
+    resumed = make(seed=4)
+    resumed.load_checkpoint(str(tmp_path))
+    assert resumed.run_id == first.run_id
+    resumed.save_checkpoint(str(tmp_path))  # its own run's checkpoint: replaced, as a resumed run redoes steps
+    assert ckpt.read_sidecar(str(tmp_path), "global_step2")["run_id"] == first.run_id
+    resumed.engine.destroy()
+
+
 def mount_tmpfs(path: Path, size: int) -> None:
     options = f"size={size}" if not path.is_mount() else f"remount,size={size}"
     proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
@@ -344,7 +489,8 @@ def test_disk_full_names_the_file_and_the_last_good_checkpoint_and_the_next_save
         with pytest.raises(ckpt.CheckpointError) as raised:
             engine.save_checkpoint(str(disk))
         message = str(raised.value)
-        assert "No space left on device" in message and str(disk / "global_step3.partial") in message
+        assert "No space left on device" in message
+        assert re.search(re.escape(str(disk)) + r"/global_step3\.[0-9a-f]{12}\.partial/", message)
         assert f"the last good checkpoint is {disk / 'global_step2'} (step 2)" in message
         assert sorted(p.name for p in disk.iterdir() if p.is_dir()) == ["global_step2"]  # the partial folder is gone
         mount_tmpfs(disk, 64 << 20)  # space freed
@@ -355,6 +501,7 @@ def test_disk_full_names_the_file_and_the_last_good_checkpoint_and_the_next_save
         assert engine.global_steps == 3 and train(engine, TOTAL) == saved[1][3:]
         engine.engine.destroy()
     finally:
+        run_lock.release(str(disk))  # this process's lock file keeps the file system busy
         subprocess.run(["umount", str(disk)], check=False)
 
 

@@ -9,6 +9,7 @@ import torch
 
 import ds_pseudo_real
 from ds_pseudo_real import checkpoint as ckpt
+from ds_pseudo_real import run_lock
 from ds_pseudo_real.convert import convert
 from conftest import run_two_ranks
 
@@ -114,7 +115,7 @@ def test_failed_publish_leaves_the_previous_checkpoint_usable(tmp_path, monkeypa
         engine.save_checkpoint(str(tmp_path))
     monkeypatch.undo()
     assert f"the last good checkpoint is {tmp_path / 'global_step2'} (step 2)" in str(raised.value)
-    assert not (tmp_path / "global_step3.partial").exists()  # removed, never named
+    assert not list(tmp_path.glob("*.partial"))  # removed, never named
     assert ckpt.latest_tag(str(tmp_path)) == "global_step2"
     engine.save_checkpoint(str(tmp_path))  # the run's state is intact: the next save succeeds
     assert ckpt.latest_tag(str(tmp_path)) == "global_step3"
@@ -140,7 +141,7 @@ def test_converted_checkpoint_gives_the_pseudo_logits_on_another_zero_stage(tmp_
     expected = logits(pseudo)
     pseudo.save_checkpoint(str(tmp_path / "pseudo"))
     pseudo.engine.destroy()
-    out = convert(str(tmp_path / "pseudo"), str(tmp_path / "real"))
+    out = convert(str(tmp_path / "pseudo"), str(tmp_path / "real"), to_real=True)
     assert json.loads((out / ckpt.SIDECAR).read_text())["kind"] == "converted"
 
     real = make(stage=target_stage, seed=9)
@@ -168,7 +169,7 @@ def test_converted_checkpoint_carries_host_params_groups(tmp_path, dtype):
                if name.startswith("layers.0.")}
     pseudo.save_checkpoint(str(tmp_path / "pseudo"))
     pseudo.engine.destroy()
-    out = convert(str(tmp_path / "pseudo"), str(tmp_path / "real"))
+    out = convert(str(tmp_path / "pseudo"), str(tmp_path / "real"), to_real=True)
     weights = torch.load(out / "model_fp32.pt")
     for name, master in masters.items():
         for layer in range(4):  # expanded to every layer of the real model
@@ -201,11 +202,36 @@ def test_two_rank_pseudo_checkpoint_converts_and_loads_on_one_rank(tmp_path):
     command = f"ds-pseudo-real convert --input {tmp_path / 'pseudo'} --tag global_step3 --output {tmp_path / 'pseudo'}_converted"
     assert command in str(raised.value) and same_stage.global_steps == 0
     same_stage.engine.destroy()
-    convert(str(tmp_path / "pseudo"), str(tmp_path / "real"))
-    real = make(stage=1, seed=4)
-    real.load_checkpoint(str(tmp_path / "real"))
-    assert torch.equal(logits(real), torch.load(tmp_path / "logits.pt"))
-    real.engine.destroy()
+    convert(str(tmp_path / "pseudo"), str(tmp_path / "converted"))  # the shared set, consolidated from ZeRO-3
+    resumed = make(stage=1, seed=4)
+    resumed.load_checkpoint(str(tmp_path / "converted"))
+    assert resumed.stage == "pseudo" and resumed.global_steps == 3
+    assert torch.equal(logits(resumed), torch.load(tmp_path / "logits.pt"))
+    resumed.engine.destroy()
+
+
+def test_a_pseudo_checkpoint_converted_for_two_ranks_resumes_in_the_pseudo_stage_and_delinks_where_configured(tmp_path):
+    """Saved in the pseudo stage at step 2 on 1 rank (ZeRO 2, the switch configured at step 4); on 2 ranks it is
+    refused with the convert command, whose output resumes in the pseudo stage with the saved weights and LR, and
+    delinks at step 4 as configured."""
+    pseudo = make(stage=2)
+    train(pseudo, 2)
+    expected, lr = logits(pseudo).tolist(), pseudo.optimizer.param_groups[0]["lr"]
+    pseudo.save_checkpoint(str(tmp_path / "pseudo"))
+    pseudo.engine.destroy()
+    run_lock.release(str(tmp_path / "pseudo"))  # as when the run that saved it ends
+    out = convert(str(tmp_path / "pseudo"), str(tmp_path / "pseudo_converted"))
+    assert json.loads((out / ckpt.SIDECAR).read_text())["stage"] == "pseudo"
+    proc = run_two_ranks(Path(__file__).parent / "scripts" / "resume_converted.py", str(tmp_path / "pseudo"),
+                         str(tmp_path / "pseudo_converted"))
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (f"ds-pseudo-real convert --input {tmp_path / 'pseudo'} --tag global_step2 --output "
+            f"{tmp_path / 'pseudo'}_converted\n") in result["refusal"]
+    assert "its stage (a pseudo-stage one goes on in the pseudo stage and delinks where configured)" in result["refusal"]
+    for rank in result["ranks"]:
+        assert rank["loaded"] == {"stage": "pseudo", "step": 2, "logits": expected, "lr": lr}
+        assert rank["stages"] == ["pseudo", "pseudo", "real", "real", "real", "real"]  # steps 3 to 8
+        assert rank["switch_step"] == SWITCH and rank["delinked_at"] == SWITCH
 
 
 def test_cli_convert(tmp_path):

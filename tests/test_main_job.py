@@ -1,12 +1,22 @@
 """The main job end to end on the embedded corpus: pseudo stage, delink, real stage, loss history, plot, resume."""
+import errno
 import json
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
 
 from ds_pseudo_real.models.gpt import Block, GPTConfig
+from ds_pseudo_real import checkpoint as ckpt
 from ds_pseudo_real.report import read_records
-from conftest import REPO, free_port, run_two_ranks
+from conftest import REPO, free_port, run_main_job, run_two_ranks
 
 TINY = ["--n-layer", "4", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", str(1 << 20),
         "--eval-interval", "6", "--eval-batches", "2", "--log-interval", "6"]
@@ -144,3 +154,146 @@ def test_main_job_runs_the_exit_handlers_and_leaves_without_the_interpreters_tea
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0 finished at step 2 stage real" in proc.stdout
     assert proc.stdout.count("exit handler ran") == 1 and "teardown ran" not in proc.stdout
+
+
+def start_single(logs, *args) -> subprocess.Popen:
+    """``launch/train.py ARGS`` in one process, in the background, its output in ``logs``.out/.err."""
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, str(REPO / "launch" / "train.py"), *map(str, args)], env=env, cwd=REPO,
+                            stdout=open(f"{logs}.out", "w"), stderr=open(f"{logs}.err", "w"))
+
+
+def wait_for(condition, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_a_second_run_on_the_same_output_folder_is_refused_and_the_first_loses_nothing(tmp_path):
+    """The same command started twice on one folder: the second stops at once with one error naming the first
+    (its host and pid), and writes nothing there; the first trains on, stops on SIGTERM with a checkpoint, and every
+    checkpoint it wrote is its own and verifies, its metrics one run's steps."""
+    out = tmp_path / "run"
+    command = ["--deepspeed_config", tiny_config(tmp_path, steps=5000, switch=12), "--output-dir", out, *TINY,
+               "--save-interval", "5"]
+    first = start_single(tmp_path / "first", *command)
+    try:
+        wait_for(lambda: (out / "checkpoints" / "latest").is_file(), "the first run's first checkpoint")
+        second = run_main_job(*map(str, command), expect=2)
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+        assert f"host {socket.gethostname()}, pid {first.pid}" in errors[0], errors[0]
+        assert first.poll() is None  # untouched by the second run
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=120) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+    log = Path(f"{tmp_path / 'first'}.out").read_text()
+    stopped = int(re.search(r"saved checkpoint at step (\d+) on signal SIGTERM", log).group(1))
+    folder = out / "checkpoints"
+    tags = sorted((c.tag for c in ckpt.list_checkpoints(str(folder))), key=lambda t: int(t[len("global_step"):]))
+    assert tags == [f"global_step{s}" for s in range(5, stopped, 5)] + [f"global_step{stopped}"] * (stopped % 5 > 0)
+    for tag in tags:
+        assert ckpt.verify(str(folder), tag).ok, tag
+        assert ckpt.read_sidecar(str(folder), tag)["written_by"]["pid"] == first.pid
+    assert ckpt.latest_tag(str(folder)) == f"global_step{stopped}"
+    steps = [r["step"] for r in read_records(out / "metrics.jsonl", raw=True) if "train_loss" in r]
+    assert steps == list(range(1, stopped + 1))
+
+
+def processes_of(out: Path):
+    """The processes (launchers and ranks) whose command line names the run folder ``out``."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        if str(out) in " ".join(process.info["cmdline"] or []) and process.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(process)
+    return found
+
+
+@pytest.mark.parametrize("launcher, sig", [("torchrun", signal.SIGUSR1), ("deepspeed", signal.SIGTERM)])
+def test_a_launcher_killed_by_a_signal_it_does_not_pass_on_leaves_no_rank_training(tmp_path, launcher, sig):
+    """torchrun dies of SIGUSR1, the one-node ``deepspeed`` command of SIGTERM, without signalling the ranks: every
+    rank notices that its launcher is gone, the ranks save one checkpoint at the step they reached, which verifies,
+    and exit; no process of the run is left."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    start = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"] if launcher == "torchrun" else
+             [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2"])
+    command = [*start, "--master_port", str(free_port()), str(REPO / "launch" / "train.py"), "--deepspeed_config",
+               str(tiny_config(tmp_path, steps=5000, switch=12)), "--output-dir", str(out), *TINY]
+    log = tmp_path / "log"
+    top = subprocess.Popen(command, env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "step 6/5000" in log.read_text(), "the ranks' first progress line")
+        ranks = [p for p in processes_of(out) if p.info["cmdline"][1:3] == ["-u", str(REPO / "launch" / "train.py")]]
+        top.send_signal(sig)
+        assert top.wait(timeout=60) != 0  # it died of the signal, or (deepspeed) of its default handling
+        wait_for(lambda: not processes_of(out), "every process of the run to end", timeout=120)
+    finally:
+        for process in processes_of(out):
+            process.kill()
+    text = log.read_text()
+    assert len(ranks) == 2, text[-3000:]
+    # A rank that noticed first may stop both at the next step boundary, before the other one's watch looks.
+    assert re.search(r"\[ds_pseudo_real\] rank [01]: its launcher .* is gone; stopping as on SIGTERM", text), text[-3000:]
+    saved = re.findall(r"saved checkpoint at step (\d+) on signal (?:SIGTERM|from another rank)", text)
+    assert len(saved) == 2 and saved[0] == saved[1], text[-3000:]
+    folder = str(out / "checkpoints")
+    assert ckpt.latest_tag(folder) == f"global_step{saved[0]}"
+    assert ckpt.verify(folder, f"global_step{saved[0]}").ok
+    assert ckpt.read_sidecar(folder, f"global_step{saved[0]}")["world_size"] == 2
+
+
+def test_a_switch_after_the_last_step_is_a_warning_at_start(tmp_path):
+    proc = run_main_job("--deepspeed_config", str(tiny_config(tmp_path, steps=3, switch=12)), "--output-dir",
+                        str(tmp_path / "run"), *TINY)
+    warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]
+    assert warnings == ["[ds_pseudo_real] WARNING: the next delink is planned at step 12, after this run's last step 3 "
+                        "(--steps, else scheduler.params.total_num_steps): this run trains only the pseudo model"]
+    assert proc.stdout.index("training 3 steps from step 0") < proc.stdout.index("step 3/3")
+    assert "rank 0 finished at step 3 stage pseudo" in proc.stdout
+
+
+def test_a_full_disk_under_the_logs_is_one_warning_each_and_the_run_ends_as_without_it(tmp_path):
+    """The run folder on a file system with two free pages (the checkpoints elsewhere): the CSV monitor's LR file
+    takes one at step 1, metrics.jsonl the other, so the monitor's next file fails at once, metrics.jsonl when its
+    page is full, and loss.png at the end, with ENOSPC. Each is one warning; training goes on to its final
+    checkpoint and exit 0."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    out = tmp_path / "run"
+    out.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(out)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small file system is needed to fill the disk for real; mount failed: {mounted.stderr.strip()}")
+    try:
+        (tmp_path / "checkpoints").mkdir()
+        (out / "checkpoints").symlink_to(tmp_path / "checkpoints")
+        with open(out / "filler", "wb", buffering=0) as filler:
+            try:
+                while True:
+                    filler.write(b"x" * 4096)
+            except OSError as error:
+                assert error.errno == errno.ENOSPC
+            filler.truncate(filler.tell() // 4096 * 4096 - 2 * 4096)  # two free pages
+        config = json.loads(tiny_config(tmp_path, steps=40, switch=6).read_text())
+        config["csv_monitor"] = {"enabled": True, "job_name": "tiny"}
+        (tmp_path / "monitored.json").write_text(json.dumps(config))
+        proc = run_main_job("--deepspeed_config", str(tmp_path / "monitored.json"), "--output-dir", str(out), *TINY)
+        written = read_records(out / "metrics.jsonl")
+    finally:
+        subprocess.run(["umount", str(out)], check=False)
+    warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for what in (str(out / "metrics.jsonl"), "DeepSpeed's monitors' events", str(out / "loss.png")):
+        lines = [line for line in warnings if line.startswith(f"[ds_pseudo_real] WARNING: could not write {what}: ")]
+        assert len(lines) == 1 and "[Errno 28] No space left on device" in lines[0], (what, warnings)
+    assert "delinked at step 6" in proc.stdout and "rank 0 finished at step 40 stage real" in proc.stdout
+    assert ckpt.latest_tag(str(tmp_path / "checkpoints")) == "global_step40"
+    assert ckpt.verify(str(tmp_path / "checkpoints"), "global_step40").ok
+    steps = [r["step"] for r in written if "train_loss" in r]
+    assert 10 < len(steps) < 40 and steps == list(range(1, len(steps) + 1))  # what fitted in the page

@@ -157,7 +157,7 @@ def test_convert_reads_the_fp32_masters_swapped_to_nvme(async_io, tmp_path, save
     expected = _masters(engine)
     engine.save_checkpoint(str(tmp_path / "checkpoints"))
     engine.engine.destroy()
-    converted = convert.convert(str(tmp_path / "checkpoints"), str(tmp_path / "converted"))
+    converted = convert.convert(str(tmp_path / "checkpoints"), str(tmp_path / "converted"), to_real=True)
     real = torch.load(converted / "model_fp32.pt", weights_only=True)
     layers = {name for name in real if name.startswith("layers.")}
     assert len(layers) == 4 * len({n.split(".", 2)[2] for n in layers})  # every layer's parameters, 4 layers

@@ -191,7 +191,7 @@ def test_main_job_runs_a_schedule_and_logs_each_transition(tmp_path):
     assert [r["groups"] for r in rows if "train_loss" in r] == [1, 1, 1, 2, 2, 2, 4, 4]
 
 
-def test_a_middle_stage_checkpoint_converts_to_the_real_model(tmp_path):
+def test_a_middle_stage_checkpoint_converts_in_its_stage_or_to_the_real_model(tmp_path):
     from ds_pseudo_real.convert import convert
 
     first, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(2))
@@ -200,7 +200,13 @@ def test_a_middle_stage_checkpoint_converts_to_the_real_model(tmp_path):
     expected = eval_loss(first, probe)
     first.save_checkpoint(str(tmp_path / "mid"))
     first.engine.destroy()
-    out = convert(str(tmp_path / "mid"), str(tmp_path / "real"))
+    convert(str(tmp_path / "mid"), str(tmp_path / "converted"))
+    resumed, *_ = ds_pseudo_real.initialize(model=tiny_gpt(seed=3), config=config(2))
+    resumed.load_checkpoint(str(tmp_path / "converted"))
+    assert resumed.stage == "pseudo" and resumed.groups == 2 and resumed.global_steps == 4
+    assert resumed.next_trigger.at_step == 5 and eval_loss(resumed, probe) == expected
+    resumed.engine.destroy()
+    out = convert(str(tmp_path / "mid"), str(tmp_path / "real"), to_real=True)
     weights = torch.load(out / "model_fp32.pt")
     for rest in ("fc.weight", "ln1.bias"):  # layers 0-1 from the first group's set, 2-3 from the second's
         assert torch.equal(weights[f"layers.0.{rest}"], weights[f"layers.1.{rest}"])

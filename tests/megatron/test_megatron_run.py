@@ -47,14 +47,15 @@ PARAMS = re.compile(r"number of parameters on \(tensor, pipeline\) model paralle
 
 
 class Log:
-    """What one run printed: its losses by iteration (the second one logged left out, see the module docstring)
-    and the parameter count of each model it built, in order."""
+    """What one run printed: its losses by iteration (the second one logged left out, see the module docstring),
+    the parameter count of each model it built, in order, and the drop-in's warnings."""
 
-    def __init__(self, stdout: str):
+    def __init__(self, stdout: str, stderr: str = ""):
         logged = [(int(i), float(loss)) for i, loss in LOSS.findall(stdout)]
         self.iterations = [i for i, _ in logged]
         self.losses = {i: loss for n, (i, loss) in enumerate(logged) if n != 1}
         self.params = [int(n) for n in PARAMS.findall(stdout)]
+        self.warnings = [line for line in stderr.splitlines() if line.startswith("[megatron_patches] WARNING")]
 
 
 def pretrain(nproc: int, *flags: str, cwd: Path, expect_ok: bool = True) -> subprocess.CompletedProcess:
@@ -70,7 +71,8 @@ def pretrain(nproc: int, *flags: str, cwd: Path, expect_ok: bool = True) -> subp
 
 
 def train(nproc: int, *flags: str, cwd: Path) -> Log:
-    return Log(pretrain(nproc, *TINY, *flags, cwd=cwd).stdout)
+    proc = pretrain(nproc, *TINY, *flags, cwd=cwd)
+    return Log(proc.stdout, proc.stderr)
 
 
 def resume_from(saved: Path, iteration: int, nproc: int, *flags: str, cwd: Path) -> tuple:
@@ -125,6 +127,10 @@ def test_loss_continuous_at_the_delink(runs, request):
     assert [full.losses[i] for i in (1, 3, 4)] == [never.losses[i] for i in (1, 3, 4)]
     assert full.params == [PSEUDO_PARAMS, REAL_PARAMS] and never.params == [PSEUDO_PARAMS]
     assert full.losses[8] < full.losses[1]
+    # The run that never delinks says so at start, once (rank 0).
+    assert full.warnings == [] and never.warnings == [
+        "[megatron_patches] WARNING: --pseudo-to-real-switch-iter 100 is beyond --train-iters 8: this run trains only "
+        "the pseudo model"]
 
 
 @needs_megatron_lm
@@ -198,16 +204,49 @@ def test_help_lists_the_flags_with_defaults(tmp_path):
         assert default in group.split(flag, 1)[1][:400], flag
 
 
+def rank_errors(proc: subprocess.CompletedProcess) -> list:
+    """The ``error:`` lines the ranks printed, and whether torchrun's failure summary has a rank exiting 2 (the first
+    rank to exit makes torchrun stop the others with SIGTERM)."""
+    exits = re.findall(r"exitcode\s*: (-?\d+)", proc.stderr)
+    return [line for line in proc.stderr.splitlines() if line.startswith("error: ")], "2" in exits
+
+
 @needs_megatron_lm
-def test_flag_errors_read_like_megatrons(tmp_path):
+def test_flag_errors_are_one_error_line_from_rank_0(tmp_path):
     bad_choice = pretrain(1, *TINY, "--train-iters", "1", "--pseudo-to-real-optimizer-state", "keep", cwd=tmp_path,
                           expect_ok=False)
     assert bad_choice.returncode != 0
-    assert "argument --pseudo-to-real-optimizer-state: invalid choice: 'keep'" in bad_choice.stderr
-    bad_groups = pretrain(1, *TINY, "--train-iters", "1", "--pseudo-to-real-switch-iter", "2",
+    assert "argument --pseudo-to-real-optimizer-state: invalid choice: 'keep'" in bad_choice.stderr  # argparse's
+    bad_groups = pretrain(2, *TINY, "--train-iters", "1", "--pseudo-to-real-switch-iter", "2",
                           "--pseudo-to-real-groups", "3", cwd=tmp_path, expect_ok=False)
     assert bad_groups.returncode != 0
-    assert "AssertionError: --pseudo-to-real-groups (3) must be >= 1 and divide --num-layers (4)" in bad_groups.stderr
+    errors, exit_2 = rank_errors(bad_groups)
+    assert errors == ["error: --pseudo-to-real-groups (3) must be >= 1 and divide --num-layers (4)"], bad_groups.stderr
+    assert exit_2 and "AssertionError" not in bad_groups.stderr, bad_groups.stderr[-3000:]
+
+
+@needs_megatron_lm
+def test_a_save_folder_in_use_by_another_run_is_refused(tmp_path):
+    """The drop-in holds --save's lock as the main job holds its output folder's: another run holding it stops this
+    one before it trains or writes, with one error naming the holder."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    (tmp_path / "ckpt").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from ds_pseudo_real import run_lock; "
+                               "run_lock.acquire(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+                               str(tmp_path / "ckpt")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=env)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        proc = pretrain(1, *TINY, "--train-iters", "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+                        cwd=tmp_path, expect_ok=False)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    errors, exit_2 = rank_errors(proc)
+    assert len(errors) == 1 and exit_2, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: {tmp_path / 'ckpt'} is in use by another run (host ") and \
+        f"pid {holder.pid}," in errors[0]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["run.lock"]  # nothing saved
 
 
 def test_usage_error_without_a_script():

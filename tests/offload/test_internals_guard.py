@@ -42,7 +42,7 @@ def test_every_engine_the_plugin_supports_has_the_internals_it_uses(stage, dtype
     first step) must not be required."""
     engine = engine_of(stage, dtype, **extra).engine
     assert type(engine.optimizer).__name__ == optimizer
-    features = ["pseudo_to_real", "save_checkpoint", "granular_offload host_params", "convert"]
+    features = ["pseudo_to_real", "save_checkpoint", "monitors", "granular_offload host_params", "convert"]
     ds_state.check_internals(engine, *features, *(["granular_offload"] if stage < 3 else []))
 
 

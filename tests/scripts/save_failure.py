@@ -48,7 +48,7 @@ except ckpt.CheckpointError as raised:
     error = str(raised)
 ckpt.save_with_checksum = real_save
 dist.barrier()
-partial_left = os.path.exists(os.path.join(folder, "global_step3.partial"))
+partial_left = [name for name in os.listdir(folder) if name.endswith(ckpt.PARTIAL_SUFFIX)]
 engine.save_checkpoint(folder)
 tail = train(engine, 5)
 engine.engine.destroy()
