@@ -25,6 +25,7 @@ import ds_pseudo_real
 from ds_pseudo_real.checkpoint import CheckpointError
 from ds_pseudo_real.config import SECTION, ConfigError, check_top_level_keys, load_ds_config, parse_pseudo_to_real
 from ds_pseudo_real.data import BYTE_VOCAB, build_corpus, indexed_vocabulary, parse_data_section
+from ds_pseudo_real.device import use_rank_device
 from ds_pseudo_real.models.build import build_model, model_spec, parameter_groups
 from ds_pseudo_real.report import MetricsLog, plot_history, read_records
 
@@ -173,6 +174,7 @@ def train(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     stopper = StopOnSignal()  # first: a preemption during start-up must not kill the rank without a checkpoint
     single_process_defaults()
+    use_rank_device()  # NCCL's communicator and every object collective use the current device
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"rank {rank}/{world} started on {os.uname().nodename}", flush=True)

@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 import torch
 from torch import nn
 
+from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.sharing import get_layer_list
 
 
@@ -126,7 +127,8 @@ def host_param_views(layers: Sequence[nn.Module], host_ids: Set[int], dtype_of: 
 class HostParamStore:
     """Keeps the parameters in ``host_param_lists`` on the host and serves them to the layers that use them.
 
-    ``trace=True`` records every transition as ``(layer, old state, new state)`` in :attr:`transitions`.
+    ``device``: where the layers run (default: :func:`ds_pseudo_real.device.rank_device`). ``trace=True`` records
+    every transition as ``(layer, old state, new state)`` in :attr:`transitions`.
     """
 
     def __init__(self, model: nn.Module, layer_path: str, host_param_lists: Sequence[Sequence[nn.Parameter]],
@@ -134,11 +136,10 @@ class HostParamStore:
                  trace: bool = False):
         check_torch_internals()
         wanted = {id(p) for params in host_param_lists for p in params}
-        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                                 else torch.device("cpu"))
+        self.device = device or rank_device()
         self.prefetch = prefetch
         self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream() if self._cuda else None
+        self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         # one entry per layer module using host params, in layer order (a pseudo model's shared set: every member)
         self._entries: List[List[nn.Parameter]] = []
         modules = []
@@ -183,9 +184,10 @@ class HostParamStore:
         elif new is Residency.ON_DEVICE:
             tensors, event = self._buffers[k]
             if event is not None:
-                torch.cuda.current_stream().wait_event(event)
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_event(event)
                 for t in tensors:
-                    t.record_stream(torch.cuda.current_stream())  # allocated on the copy stream, used on this one
+                    t.record_stream(compute)  # allocated on the copy stream, used on this one
             for p, t in zip(params, tensors):
                 p.data = t
         elif new is Residency.RELEASED:
@@ -203,7 +205,7 @@ class HostParamStore:
         self._adopt(params)
         event = None
         if self._cuda:
-            self._stream.wait_stream(torch.cuda.current_stream())
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 tensors = [self._host[p].to(self.device, non_blocking=True) for p in params]
                 event = torch.cuda.Event()
