@@ -20,8 +20,8 @@ Or without pytest: ``with FakeGpuRank(local_rank=1, device_count=2) as rank: ...
 :class:`FakeGpuRank` (a device is a tag on a tensor's storage, the data stay on the CPU):
   - ``torch.cuda`` is available with ``device_count`` devices, the current device is 0 until ``set_device``
     (as in a fresh process), ``LOCAL_RANK`` is set, and DeepSpeed's accelerator is its CUDA one.
-  - Tensors made with ``device="cuda[:N]"``, by ``.to``/``.cuda()``, or by any op on such tensors report that
-    device; ``.to("cpu")``/``.cpu()`` copies to a host tensor. An op mixing two devices raises as CUDA does (a 0-dim
+  - Tensors made with ``device="cuda[:N]"`` (factories, ``torch.tensor``), by ``.to``/``.cuda()``, or by any op on
+    such tensors report that device; ``.to("cpu")``/``.cpu()`` copies to a host tensor. An op mixing two devices raises as CUDA does (a 0-dim
     host tensor is a scalar and allowed); copies across devices are allowed. Autograd works (the backward's ops
     are checked and placed the same way), so gradients of a model on a fake device are on it.
   - ``pin_memory=True`` allocations work and report ``is_pinned()``.
@@ -389,6 +389,14 @@ class FakeGpuRank:
             # a copy on the CPU (C++ sees two host tensors), which the mode tags with the target device
             return _ORIGINAL_TO(tensor, rank.resolve(device), **dict(options, copy=True))
 
+        def from_data(make):
+            def made(data, *args, device=None, **kwargs):  # torch.tensor allocates out of the dispatcher's sight
+                out = make(data, *args, **kwargs)
+                return out if device is None else out.to(rank.resolve(device))
+            return made
+
+        self._patch(torch, "tensor", from_data(torch.tensor))
+        self._patch(torch, "as_tensor", from_data(torch.as_tensor))
         self._patch(torch.Tensor, "to", to)
         self._patch(torch.Tensor, "cpu", lambda t, *a, **k: t.to(CPU))
         self._patch(torch.Tensor, "cuda", lambda t, device=None, non_blocking=False, **k:

@@ -30,6 +30,7 @@ def test_tensors_report_their_device_and_mixing_devices_raises(fake_gpu_rank):
     with pytest.raises(RuntimeError, match="cuda:0 and cuda:3"):
         torch.ones(2, 2, device="cuda:0") + w
     assert torch.nn.Linear(2, 2).cuda().weight.device == CUDA3
+    assert torch.tensor([1.0], device="cuda").device == CUDA3 and torch.as_tensor(2.0, device=3).device == CUDA3
     assert torch.empty(4, pin_memory=True).is_pinned() and not torch.empty(4).is_pinned()
     assert torch.zeros(4).pin_memory().is_pinned()
     made = len(fake_gpu_rank.allocations)
