@@ -379,9 +379,9 @@ class FakeGpuRank:
         }.items():
             self._patch(cuda, name, value)
 
-        def to(tensor, *args, **kwargs):
+        def to(tensor, *args, copy=False, **kwargs):
             device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-            options = dict(dtype=dtype, non_blocking=non_blocking, copy=kwargs.get("copy", False))
+            options = dict(dtype=dtype, non_blocking=non_blocking, copy=copy)
             if memory_format is not None:
                 options["memory_format"] = memory_format
             if device is None or rank.resolve(device) == fake_device(tensor):
