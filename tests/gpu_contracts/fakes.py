@@ -24,7 +24,8 @@ Or without pytest: ``with FakeGpuRank(local_rank=1, device_count=2) as rank: ...
     such tensors report that device; ``.to("cpu")``/``.cpu()`` copies to a host tensor. An op mixing two devices raises as CUDA does (a 0-dim
     host tensor is a scalar and allowed); copies across devices are allowed. Autograd works (the backward's ops
     are checked and placed the same way), so gradients of a model on a fake device are on it.
-  - ``pin_memory=True`` allocations work and report ``is_pinned()``.
+  - ``pin_memory=True`` allocations work and report ``is_pinned()``. Assigning ``.grad`` checks the devices as torch
+    does (autograd itself may leave a gradient on another device than its tensor's data, as on CUDA).
   - Streams and events record their device. Every op touching a device tensor is logged as :class:`Work` on the
     stream it runs on as CUDA would run it: the current stream *of the tensor's device*, whichever stream
     ``torch.cuda.stream(s)`` made current (for ``s`` of another device that is not ``s``).
@@ -406,6 +407,7 @@ class FakeGpuRank:
         self._patch(torch.Tensor, "get_device", lambda t: fake_device(t).index if fake_device(t).type == "cuda"
                     else -1)
         self._patch(torch.Tensor, "record_stream", lambda t, stream: self._record_stream(t, stream))
+        self._patch(torch.Tensor, "grad", property(_BASE_GRAD.__get__, _set_grad))
         try:
             from deepspeed.accelerator import real_accelerator
             from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
@@ -444,6 +446,16 @@ class FakeGpuRank:
 
 
 _ORIGINAL_TO = torch.Tensor.to
+_BASE_GRAD = torch._C.TensorBase.grad
+
+
+def _set_grad(tensor: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+    """``tensor.grad = grad`` with torch's check of the devices (C++, which sees two host tensors here)."""
+    if grad is not None and fake_device(grad) != fake_device(tensor):
+        raise RuntimeError(f"attempting to assign a gradient located on device {fake_device(grad)} to a tensor on "
+                           f"{fake_device(tensor)}; please ensure that the gradient and the tensor are on the same "
+                           f"device (fake CUDA)")
+    _BASE_GRAD.__set__(tensor, grad)
 # c10d's process-group state (torch 2.13): the world object, the maps its properties read, the group counter (kept
 # counting while the fake group lives, so that no group name is taken twice)
 _C10D_STATE = ("_world", "_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag",

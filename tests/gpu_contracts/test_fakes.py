@@ -22,6 +22,9 @@ def test_tensors_report_their_device_and_mixing_devices_raises(fake_gpu_rank):
     assert y.tolist() == [[1.0, 5.0]]  # real values
     y.sum().backward()
     assert w.grad.device == CUDA3 and w.grad.tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    with pytest.raises(RuntimeError, match="gradient located on device cpu to a tensor on cuda:3"):
+        w.grad = torch.zeros(2, 2)
+    w.grad = None
     assert w.detach().to(CUDA3, copy=True).data_ptr() != w.data_ptr() and w.to(CUDA3) is w
     host = w.detach().cpu()
     assert host.device.type == "cpu" and host.data_ptr() != w.data_ptr()
