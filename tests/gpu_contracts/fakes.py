@@ -18,8 +18,9 @@ How to use (pytest fixtures in ``tests/gpu_contracts/conftest.py``)::
 Or without pytest: ``with FakeGpuRank(local_rank=1, device_count=2) as rank: ...`` and ``with FakeNccl(rank): ...``.
 
 :class:`FakeGpuRank` (a device is a tag on a tensor's storage, the data stay on the CPU):
-  - ``torch.cuda`` is available with ``device_count`` devices, the current device is 0 until ``set_device``
-    (as in a fresh process), ``LOCAL_RANK`` is set, and DeepSpeed's accelerator is its CUDA one.
+  - ``torch.cuda`` is available with ``device_count`` devices (compute capability 9.0, bf16 supported), the current
+    device is 0 until ``set_device`` (as in a fresh process), ``LOCAL_RANK`` is set, and DeepSpeed's accelerator
+    is its CUDA one.
   - Tensors made with ``device="cuda[:N]"`` (factories, ``torch.tensor``), by ``.to``/``.cuda()``, or by any op on
     such tensors report that device; ``.to("cpu")``/``.cpu()`` copies to a host tensor. An op mixing two devices raises as CUDA does (a 0-dim
     host tensor is a scalar and allowed); copies across devices are allowed. Autograd works (the backward's ops
@@ -377,6 +378,7 @@ class FakeGpuRank:
             "current_stream": self.current_stream, "default_stream": self.default_stream,
             "set_stream": self.set_stream, "synchronize": self._synchronize,
             "is_bf16_supported": lambda *a, **k: True,
+            "get_device_capability": lambda device=None: (9, 0), "get_device_name": lambda device=None: "fake GPU",
         }.items():
             self._patch(cuda, name, value)
 
