@@ -212,6 +212,8 @@ def attach_to_engine(engine) -> None:
     ds_state.check_internals(engine, "granular_offload")
     if optimizer.host_params is not None:
         optimizer.host_params.adopt_all()
+        if engine.zero_optimization_stage() == 0:  # the engine all-reduces every gradient, a missing one made on
+            ds_state.before_gradient_reduction(engine, optimizer.host_params.give_missing_gradients)  # the host
     if optimizer.own_param_groups:
         if ds_state.steps_when_built(engine):
             optimizer.zero_gradient_step()

@@ -324,6 +324,18 @@ class HostParamStore:
                 self._packed.add(p)
                 p.data = host
 
+    @torch.no_grad()
+    def give_missing_gradients(self) -> None:
+        """A zero gradient on the device for every host param that got none (a layer the step did not run), where
+        the fetched layers' gradients are: fp32 ZeRO 0 all-reduces every parameter's gradient itself and makes a
+        missing one on ``param.device``, the host here, which NCCL refuses."""
+        for p in dict.fromkeys(p for params in self._entries for p in params):
+            if p.requires_grad and p.grad is None:
+                zeros = torch.zeros(p.shape, dtype=p.dtype, device=self.device)
+                host, p.data = p.data, zeros  # torch assigns a gradient on its tensor's device only
+                p.grad = zeros
+                p.data = host
+
     def host_tensor(self, p: nn.Parameter) -> torch.Tensor:
         """The host copy of ``p``: its working value between uses and the optimizer's fp32 master."""
         return self._host[p]

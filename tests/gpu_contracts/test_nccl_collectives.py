@@ -80,11 +80,22 @@ def test_the_megatron_delink_reads_a_distributed_optimizers_shards_on_the_device
     assert allreduced_devices(fake_nccl) == [[CUDA3]] * 5
 
 
+class SkipsLastLayer(TinyLM):
+    """A step that does not run the last layer (its parameters get no gradient)."""
+
+    def forward(self, x, y):
+        h = self.embed(x)
+        for layer in self.layers[:-1]:
+            h = layer(h)
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+
 class EngineReached(Exception):
     pass
 
 
-def offload_optimizer_as_built(monkeypatch, stage, levels):
+def offload_optimizer_as_built(monkeypatch, stage, levels, model_class=TinyLM):
     """ds_pseudo_real.initialize up to deepspeed.initialize (see test_rank_device)."""
     reached = {}
 
@@ -96,7 +107,7 @@ def offload_optimizer_as_built(monkeypatch, stage, levels):
     cfg = offload_config(stage, "host_params")
     cfg["granular_offload"]["levels"] = levels
     torch.manual_seed(0)
-    model = TinyLM()
+    model = model_class()
     with pytest.raises(EngineReached):
         ds_pseudo_real.initialize(model=model, config=cfg)
     return model, reached["optimizer"]
@@ -132,3 +143,47 @@ def test_own_gradients_are_reduced_and_their_norm_taken_on_the_device(fake_nccl,
     experts = sum(own.host.grad_buffers[p].pow(2).sum() for p in own.groups[1]["params"]) / WORLD
     assert norm.item() == pytest.approx((dense + experts).sqrt().item(), rel=1e-6) and norm.device.type == "cpu"
     optimizer.remove_hooks()
+
+
+def test_zero0_reduces_a_device_gradient_for_a_host_params_layer_the_step_skipped():
+    """fp32 ZeRO 0 all-reduces every parameter's gradient itself and makes a missing one as zeros on the parameter's
+    device, which for a host_params parameter is the host: NCCL refuses it (and DeepSpeed's bucket would mix
+    devices). What DeepSpeed (0.19.8 ``_get_gradients_for_reduction``) finds must already be a zero gradient on the
+    store's device, as the fetched layers' gradients are."""
+    from ds_pseudo_real.offload import attach_to_engine, build_offload_optimizer
+
+    model = SkipsLastLayer()
+    optimizer, patched, _ = build_offload_optimizer(model, offload_config(0, "host_params"), "layers", 1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
+    attach_to_engine(engine)
+    store, found = optimizer.host_params, []
+    reduce = engine._get_gradients_for_reduction
+
+    def spy():
+        found.append([(p.grad is None or p.grad.device, p.grad is not None and bool(p.grad.any()))
+                      for p in model.layers[-1].parameters()])
+        return reduce()
+
+    engine._get_gradients_for_reduction = spy
+    engine.backward(engine(*batch(0, 0)))
+    engine.step()
+    engine.destroy()
+    optimizer.remove_hooks()
+    assert found == [[(store.device, False)] * 6]
+
+
+def test_the_zero_gradient_a_skipped_host_params_layer_gets_is_on_the_ranks_gpu(fake_gpu_rank, monkeypatch):
+    from deepspeed.runtime.engine import DeepSpeedEngine, split_half_float_double_sparse
+    from torch._utils import _flatten_dense_tensors
+
+    model, optimizer = offload_optimizer_as_built(monkeypatch, 0, {"0": "device", "1": "device", "2": "device",
+                                                                   "3": "host_params"}, SkipsLastLayer)
+    model.to(CUDA3)
+    x, y = (t.to(CUDA3) for t in batch(0, 0))
+    model(x, y).backward()
+    optimizer.host_params.give_missing_gradients()
+    skipped = list(model.layers[3].parameters())
+    assert all(p.device.type == "cpu" and p.grad.device == CUDA3 and not p.grad.any() for p in skipped)
+    grads, _ = DeepSpeedEngine._get_gradients_for_reduction(SimpleNamespace(module=model, has_moe_layers=False))
+    for _, bucket in split_half_float_double_sparse(grads)[1]:
+        assert _flatten_dense_tensors(bucket).device == CUDA3  # DeepSpeed's flat all-reduce bucket
