@@ -225,13 +225,13 @@ class HostParamStore:
         params = self._entries[k]
         self._adopt(params)
         hosts = [self._host[p] for p in params]
-        copies = self._copies.get(k)
-        if copies is None or [(c.dtype, c.shape) for c in copies] != [(h.dtype, h.shape) for h in hosts]:
-            copies = self._copies[k] = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in hosts]
         event = None
         if self._cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
+        with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():  # allocated there too
+            copies = self._copies.get(k)
+            if copies is None or [(c.dtype, c.shape) for c in copies] != [(h.dtype, h.shape) for h in hosts]:
+                copies = self._copies[k] = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in hosts]
             for copy, host in zip(copies, hosts):
                 copy.untyped_storage().resize_(copy.numel() * copy.element_size())
                 copy.copy_(host, non_blocking=self._cuda)
