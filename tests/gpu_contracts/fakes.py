@@ -22,9 +22,10 @@ Or without pytest: ``with FakeGpuRank(local_rank=1, device_count=2) as rank: ...
     device is 0 until ``set_device`` (as in a fresh process), ``LOCAL_RANK`` is set, and DeepSpeed's accelerator
     is its CUDA one.
   - Tensors made with ``device="cuda[:N]"`` (factories, ``torch.tensor``), by ``.to``/``.cuda()``, or by any op on
-    such tensors report that device; ``.to("cpu")``/``.cpu()`` copies to a host tensor. An op mixing two devices raises as CUDA does (a 0-dim
-    host tensor is a scalar and allowed); copies across devices are allowed. Autograd works (the backward's ops
-    are checked and placed the same way), so gradients of a model on a fake device are on it.
+    such tensors report that device; ``.to("cpu")``/``.cpu()`` copies to a host tensor. An op mixing two devices
+    raises as CUDA does (a 0-dim host tensor is a scalar and allowed); copies across devices are allowed. Autograd
+    works (the backward's ops are checked and placed the same way), so gradients of a model on a fake device are on
+    it.
   - ``pin_memory=True`` allocations work and report ``is_pinned()``. Assigning ``.grad`` checks the devices as torch
     does (autograd itself may leave a gradient on another device than its tensor's data, as on CUDA).
   - Streams and events record their device. Every op touching a device tensor is logged as :class:`Work` on the
