@@ -62,6 +62,7 @@ def test_offload_lives_on_the_ranks_gpu(fake_gpu_rank, monkeypatch, stage):
         optimizer.step()
     else:  # own groups: streamed to the host during the backward
         optimizer.own_gradients.settle()
+    assert store.buffered_bytes == 0  # every fetched copy freed after its backward
     assert fake_gpu_rank.touched == {CUDA3}
     assert {a.device for a in fake_gpu_rank.allocations} == {CUDA3}
     assert fake_gpu_rank.misplaced_work() == [] and fake_gpu_rank.unwaited_copies() == []
