@@ -1,7 +1,7 @@
 """Gradients of granular offload's own groups (host_params layers kept outside DeepSpeed's optimizer): averaged
 over the data-parallel ranks and copied to host buffers a layer at a time, accumulated there over micro-batches.
 
-Owns: the ready lists, the reductions and the device-to-host copies of those gradients, and what the host buffers
+Owns: the ready sets, the reductions and the device-to-host copies of those gradients, and what the host buffers
 hold this step. Must not step or plan. DeepSpeed's rule is followed (0.19.8 ZeRO ``average_tensor``): gradients are
 reduced in the engine's communication dtype, summed over the ranks holding the same parameters (for experts their
 expert-data-parallel group) and divided by the data-parallel size.
@@ -46,7 +46,9 @@ class OwnGradients:
         self.communication_dtype: Optional[torch.dtype] = None  # the engine's, set by ``attach_to_engine``
         self.received: Set[torch.Tensor] = set()  # params whose host buffer holds a gradient this step
         self.peak_device_bytes = 0  # the most gradient bytes one flush held on the device
-        self._ready: Dict[int, List[torch.Tensor]] = {}  # group index -> params ready, not flushed
+        # group index -> params ready, not flushed (a dict as an ordered set: a param whose gradient is accumulated
+        # again before its group is flushed, through a second accumulator, is flushed once with both)
+        self._ready: Dict[int, Dict[torch.Tensor, None]] = {}
         self._index = {id(g): i for i, g in enumerate(self.groups)}
         self._in_flight: List[_Flush] = []
         self._end_of_backward = EndOfBackward(self._flush_what_is_left)
@@ -61,15 +63,15 @@ class OwnGradients:
     # ----- streaming -----------------------------------------------------------------------------------------
     def _on_accumulated(self, p: torch.Tensor) -> None:
         group = self._group_of[p]
-        ready = self._ready.setdefault(self._index[id(group)], [])
-        ready.append(p)
+        ready = self._ready.setdefault(self._index[id(group)], {})
+        ready[p] = None
         self._end_of_backward.arm()
         if len(ready) == len(group["params"]):
-            self._flush(group, self._ready.pop(self._index[id(group)]), streamed=True)
+            self._flush(group, list(self._ready.pop(self._index[id(group)])), streamed=True)
 
     def _flush_what_is_left(self) -> None:
         for index in sorted(self._ready):
-            self._flush(self.groups[index], self._ready.pop(index), streamed=True)
+            self._flush(self.groups[index], list(self._ready.pop(index)), streamed=True)
 
     def collect(self) -> None:
         """Without streaming: flush the gradients the engine left on the own params (already reduced)."""
@@ -93,7 +95,7 @@ class OwnGradients:
         cuda = grads[0].is_cuda
         stream = self.host.to_host_stream
         if cuda:
-            stream.wait_stream(torch.cuda.current_stream())
+            stream.wait_stream(torch.cuda.current_stream(grads[0].device))
         staged = {}
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             for p, grad in zip(params, grads):
@@ -172,8 +174,7 @@ class OwnGradients:
                 square = square / dist.get_world_size(self.sum_group(group))
             squares[bool(group.get("moe"))] += square
         if any(g.get("moe") for g in self.groups) and dist.is_initialized():
-            device = torch.device("cuda", torch.cuda.current_device()) if self.host.cuda else HOST
-            experts = squares[True].to(device)
+            experts = squares[True].to(self.host.device)
             dist.all_reduce(experts, group=self.reduce_group)
             squares[True] = experts.to(HOST)
         return (squares[False] + squares[True]).sqrt()

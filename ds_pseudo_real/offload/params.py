@@ -7,19 +7,31 @@ Must not step or plan. Written against torch 2.x module hooks and DeepSpeed 0.19
 does not optimize as they are: under ZeRO 1/2 and the bf16 optimizer these layers' parameters are kept out of
 DeepSpeed's optimizer (``GranularOffloadOptimizer`` own groups); fp32 ZeRO 0 never flattens them.
 
-Outside ``ON_DEVICE`` a layer's ``p.data`` is the host tensor, so ``state_dict``, ``load_state_dict`` and
-DeepSpeed's initial broadcast read and write the host copy. Autograd saves a leaf Parameter itself, not its storage,
-so re-fetching before the backward gives the layer's backward the same values it ran forward with. At most two
-layers are fetched at any time: the one in use and the next one (prefetched).
+Outside the model's forward and ``ON_DEVICE`` a layer's ``p.data`` is the host tensor, so ``state_dict``,
+``load_state_dict`` and DeepSpeed's initial broadcast read and write the host copy. At most two layers are fetched
+at any time: the one in use and the next one (prefetched).
+
+Each layer's device copies are the same tensors at every fetch; a release frees their storage in place and a fetch
+refills it (FSDP's way). Autograd saves views of them for the backward (``F.linear`` saves ``weight.t()``), which
+a release therefore really frees, and which read the refetched values in the backward; it saves a leaf Parameter
+itself, which reads whatever ``p.data`` is then, the refetched copy too.
+
+While the model's forward records a graph, a released parameter keeps pointing at its freed device copy until the
+forward ends (never read: the next layer using it fetches first). Pointing it back at the host tensor between
+two layers sharing it would change its type on CUDA (host -> device), and torch gives a parameter whose ``.data``
+changed type a new gradient accumulator at its next use: one gradient, post-accumulate hook, all-reduce and copy
+to the host per layer instead of one per backward.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
 
+from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.sharing import get_layer_list
 
 
@@ -29,7 +41,9 @@ class Residency(str, enum.Enum):
     ON_HOST = "on host"  # not fetched since the last optimizer step: p.data is the host tensor
     FETCHING = "fetching"  # a device copy is issued (prefetched); p.data is still the host tensor
     ON_DEVICE = "on device"  # p.data is the device copy; the layer's forward, recompute or backward runs
-    RELEASED = "released"  # fetched and dropped since the last step: p.data is the host tensor again
+    # fetched and dropped since the last step, the device copy freed: p.data is the host tensor again (during the
+    # model's forward, once it ends)
+    RELEASED = "released"
 
 
 FETCHED = (Residency.FETCHING, Residency.ON_DEVICE)
@@ -126,7 +140,8 @@ def host_param_views(layers: Sequence[nn.Module], host_ids: Set[int], dtype_of: 
 class HostParamStore:
     """Keeps the parameters in ``host_param_lists`` on the host and serves them to the layers that use them.
 
-    ``trace=True`` records every transition as ``(layer, old state, new state)`` in :attr:`transitions`.
+    ``device``: where the layers run (default: :func:`ds_pseudo_real.device.rank_device`). ``trace=True`` records
+    every transition as ``(layer, old state, new state)`` in :attr:`transitions`.
     """
 
     def __init__(self, model: nn.Module, layer_path: str, host_param_lists: Sequence[Sequence[nn.Parameter]],
@@ -134,11 +149,10 @@ class HostParamStore:
                  trace: bool = False):
         check_torch_internals()
         wanted = {id(p) for params in host_param_lists for p in params}
-        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                                 else torch.device("cpu"))
+        self.device = device or rank_device()
         self.prefetch = prefetch
         self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream() if self._cuda else None
+        self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         # one entry per layer module using host params, in layer order (a pseudo model's shared set: every member)
         self._entries: List[List[nn.Parameter]] = []
         modules = []
@@ -154,12 +168,15 @@ class HostParamStore:
         for params in self._entries:
             self._pack(params)
         self.state: List[Residency] = [Residency.ON_HOST] * len(self._entries)
+        self._copies: Dict[int, List[torch.Tensor]] = {}  # layer -> its device copies (storage freed when released)
         self._buffers: Dict[int, tuple] = {}  # layer -> (device tensors, copy-done event or None); only when FETCHED
+        self._unbound: Set[int] = set()  # released layers whose params still point at their freed copies
+        self._forward = False  # the model's forward runs (outside a backward)
         self.transitions: Optional[List[tuple]] = [] if trace else None
         self.fetched_bytes = 0  # since construction
-        self.buffered_bytes = 0
         self.peak_buffered_bytes = 0
-        self._handles = []
+        self._handles = [model.register_forward_pre_hook(lambda m, a: self._model_forward(True)),
+                         model.register_forward_hook(lambda m, a, o: self._model_forward(False), always_call=True)]
         self._converting = list(dict.fromkeys(modules))
         for module in self._converting:
             self._convert_on_host(module)
@@ -179,42 +196,84 @@ class HostParamStore:
             raise RuntimeError(f"host_params layer {k}: {old.value} -> {new.value} is not a residency transition")
         params = self._entries[k]
         if new is Residency.FETCHING:
-            self._buffers[k] = self._copy_to_device(params)
+            self._buffers[k] = self._copy_to_device(k)
         elif new is Residency.ON_DEVICE:
             tensors, event = self._buffers[k]
             if event is not None:
-                torch.cuda.current_stream().wait_event(event)
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_event(event)
                 for t in tensors:
-                    t.record_stream(torch.cuda.current_stream())  # allocated on the copy stream, used on this one
+                    t.record_stream(compute)  # allocated on the copy stream, used on this one
             for p, t in zip(params, tensors):
                 p.data = t
         elif new is Residency.RELEASED:
             tensors, _ = self._buffers.pop(k)
-            self.buffered_bytes -= sum(t.numel() * t.element_size() for t in tensors)
-            for p in params:
-                p.data = self._host[p]
+            for t in tensors:
+                t.untyped_storage().resize_(0)  # with the views autograd saved of it
+            if self._forward and torch.is_grad_enabled() and not _in_backward():
+                self._unbound.add(k)  # pointed back at the host when the forward ends
+            else:
+                self._point_at_host([k])
         self.state[k] = new
         if self.transitions is not None:
             self.transitions.append((k, old, new))
 
-    def _copy_to_device(self, params: List[nn.Parameter]) -> tuple:
-        """Issue the copy of a layer's host params to the device (on the side stream on CUDA: it overlaps the
-        running layer), after taking back whatever replaced them since the last release."""
+    def _copy_to_device(self, k: int) -> tuple:
+        """Issue the copy of layer ``k``'s host params into its device copies, their storage refilled in place (on
+        the side stream on CUDA: it overlaps the running layer), after taking back whatever replaced the params
+        since the last release."""
+        params = self._entries[k]
         self._adopt(params)
+        hosts = [self._host[p] for p in params]
         event = None
         if self._cuda:
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                tensors = [self._host[p].to(self.device, non_blocking=True) for p in params]
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():  # allocated there too
+            copies = self._copies.get(k)
+            if copies is None or [(c.dtype, c.shape) for c in copies] != [(h.dtype, h.shape) for h in hosts]:
+                copies = self._copies[k] = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in hosts]
+            for copy, host in zip(copies, hosts):
+                copy.untyped_storage().resize_(copy.numel() * copy.element_size())
+                copy.copy_(host, non_blocking=self._cuda)
+            if self._cuda:
                 event = torch.cuda.Event()
                 event.record(self._stream)
-        else:
-            tensors = [self._host[p].clone() for p in params]  # the same path with the device being the CPU
-        size = sum(t.numel() * t.element_size() for t in tensors)
-        self.fetched_bytes += size
-        self.buffered_bytes += size
+        self.fetched_bytes += sum(c.numel() * c.element_size() for c in copies)
         self.peak_buffered_bytes = max(self.peak_buffered_bytes, self.buffered_bytes)
-        return tensors, event
+        return copies, event
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Device bytes the layers' copies hold now: their live storages (a released copy's is freed)."""
+        storages = {id(s): s for s in (t.untyped_storage() for t in self._device_tensors())}
+        return sum(s.nbytes() for s in storages.values())
+
+    def _device_tensors(self) -> List[torch.Tensor]:
+        return [t for copies in self._copies.values() for t in copies] + [
+            t for fetched, _ in self._buffers.values() for t in fetched]
+
+    def _model_forward(self, begins: bool) -> None:
+        """The model's forward begins or ends (outside a backward): at its end, the params released during it point
+        back at their host tensors, every use of them in it done."""
+        if _in_backward():
+            return
+        self._forward = begins
+        if not begins:
+            self._point_released_at_host()
+
+    def _point_released_at_host(self) -> None:
+        self._point_at_host(self._unbound)
+        self._unbound.clear()
+
+    def _point_at_host(self, layers) -> None:
+        """Point the params of ``layers`` (being released, or released) back at their host tensors, or, for those
+        another layer on the device uses (a pseudo model's shared set: a layer whose input needs no gradient stays
+        on the device until the end of the backward), at that layer's copy."""
+        running = {p: t for k, state in enumerate(self.state) if state is Residency.ON_DEVICE and k not in layers
+                   for p, t in zip(self._entries[k], self._buffers[k][0])}
+        for k in layers:
+            for p in self._entries[k]:
+                p.data = running.get(p, self._host[p])
 
     # ----- what the hooks ask for ----------------------------------------------------------------------------
     def _fetch(self, k: int) -> None:
@@ -240,6 +299,7 @@ class HostParamStore:
             self._release(k)
             if self.state[k] is Residency.RELEASED:
                 self._transition(k, Residency.ON_HOST)
+        self._point_released_at_host()
 
     # The hooks. A forward inside a backward is activation checkpointing's recompute: the layer's backward follows
     # at once (so it stays on the device) and the next layer to need its parameters is the one before it.
@@ -322,6 +382,18 @@ class HostParamStore:
                 self._packed.add(p)
                 p.data = host
 
+    @torch.no_grad()
+    def give_missing_gradients(self) -> None:
+        """A zero gradient on the device for every host param that got none (a layer the step did not run), where
+        the fetched layers' gradients are: fp32 ZeRO 0 all-reduces every parameter's gradient itself and makes a
+        missing one on ``param.device``, the host here, which NCCL refuses."""
+        for p in dict.fromkeys(p for params in self._entries for p in params):
+            if p.requires_grad and p.grad is None:
+                zeros = torch.zeros(p.shape, dtype=p.dtype, device=self.device)
+                host, p.data = p.data, zeros  # torch assigns a gradient on its tensor's device only
+                p.grad = zeros
+                p.data = host
+
     def host_tensor(self, p: nn.Parameter) -> torch.Tensor:
         """The host copy of ``p``: its working value between uses and the optimizer's fp32 master."""
         return self._host[p]
@@ -329,10 +401,10 @@ class HostParamStore:
     def _adopt(self, params: List[nn.Parameter]) -> None:
         """Something replaced ``p.data`` since the last release (the engine moving the model to the device, or
         casting it to bf16): take its value, in its dtype, as the host copy and point ``p`` back at the host."""
-        live = {t.data_ptr() for tensors, _ in self._buffers.values() for t in tensors}
+        ours = {id(t.untyped_storage()) for t in self._device_tensors()}  # a released copy's storage too
         for p in params:
             host = self._host[p]
-            if p.data.data_ptr() != host.data_ptr() and p.data.data_ptr() not in live:
+            if p.data.data_ptr() != host.data_ptr() and id(p.data.untyped_storage()) not in ours:
                 if host.dtype != p.dtype:
                     host = self._host[p] = torch.empty(p.shape, dtype=p.dtype, device="cpu",
                                                        pin_memory=host.is_pinned())
@@ -350,6 +422,7 @@ class HostParamStore:
     def remove(self) -> None:
         """Take the hooks off; the parameters stay on the host."""
         self.release_all()
+        self._copies.clear()
         for handle in self._handles:
             handle.remove()
         self._handles = []
