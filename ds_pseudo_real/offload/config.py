@@ -224,6 +224,7 @@ def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig,
         return TrainingSetup(
             dtype, stage, world_size, activation, reserved, reduce_bucket_bytes=reduce_bucket,
             stream_pool_bytes=STREAM_POOL_BYTES if cuda else 0, pinned_host=cuda and section.pin_memory,
+            pageable_copies=cuda and not section.pin_memory,
             host_memory_bytes=section.host_memory, pcie_bytes_per_s=section.pcie_gb_per_s * 1e9,
             cpu_adam_params_per_s=section.cpu_adam_params_per_s, gradient_accumulation_steps=accumulation)
     except PlanError as error:

@@ -51,7 +51,8 @@ _SCHEDULED_KEYS = ("lr", "betas")  # what LR/momentum schedulers set on param_gr
 
 def _fused_device_adam(params: List[torch.nn.Parameter], adamw_mode: bool, defaults: Dict[str, Any]):
     """torch's fused CUDA Adam(W). Not apex's FusedAdam: apex counts steps in the param group, which this wrapper
-    rebuilds per step and DeepSpeed does not checkpoint, so a resume would restart its bias correction."""
+    rebuilds per step and DeepSpeed does not checkpoint, so a resume would restart its bias correction. torch's
+    always corrects the bias: ``bias_correction=False`` is refused with device groups on CUDA (``__init__``)."""
     hyper = {k: defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
     cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     return cls(params, fused=True, **hyper)
@@ -77,6 +78,11 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         groups = [dict(g) for g in param_groups]
         for g in groups:
             g["level"] = PlacementLevel(g.get("level", PlacementLevel.DEVICE)).value
+        device_groups = [g.get("placement") for g in groups if g["level"] == PlacementLevel.DEVICE.value]
+        if not bias_correction and device_groups and torch.cuda.is_available():
+            raise ValueError(f"optimizer.params.bias_correction: got False, but granular_offload steps the groups at "
+                             f"'device' on CUDA with torch's fused Adam, which always corrects the bias (groups: "
+                             f"{device_groups}); accepted: true (the default), or no group at 'device'")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, placement=None, level=PlacementLevel.DEVICE.value)
         super().__init__(groups, defaults)

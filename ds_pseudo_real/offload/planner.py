@@ -144,6 +144,7 @@ class TrainingSetup:
     reduce_bucket_bytes: int = 0  # DeepSpeed's gradient reduce bucket(s), during the backward
     stream_pool_bytes: int = 0  # per side stream of the offload
     pinned_host: bool = False  # host buffers pinned: each rounded up to a power of two
+    pageable_copies: bool = False  # CUDA with pin_memory false: every host<->device copy is synchronous
     host_memory_bytes: Optional[int] = None  # refuse placements needing more host memory per rank
     pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_PER_S
     cpu_adam_params_per_s: float = DEFAULT_CPU_ADAM_PARAMS_PER_S
@@ -630,6 +631,9 @@ def describe_plan(plan: OffloadPlan) -> str:
         + (f", pinned rounding +{format_bytes(rounding)} (+{100 * rounding / plan.host_bytes:.1f} %)"
            if plan.host_bytes and s.pinned_host else "")
         + ("" if s.host_memory_bytes is None else f"; host_memory {format_bytes(s.host_memory_bytes)}"),
+        *(["pin_memory false: the host buffers are pageable, so every copy between host and device is synchronous "
+           "(the copies overlap neither the layers nor the host Adam)"]
+          if s.pageable_copies and any(p.level is not PlacementLevel.DEVICE for p in plan.placements) else []),
         f"moved per optimizer step {format_bytes(plan.moved_bytes_per_step)}; modelled offload time per optimizer "
         f"step {plan.offload_seconds_per_step:.3g} s = PCIe {plan.transfer_seconds:.3g} s (at "
         f"{s.pcie_bytes_per_s / 1e9:g} GB/s) + host Adam {plan.host_adam_seconds:.3g} s "

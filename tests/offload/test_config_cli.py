@@ -54,6 +54,23 @@ def test_setup_counts_cuda_overheads_with_deepspeeds_defaults():
 
 
 
+def test_the_plan_says_the_copies_are_synchronous_with_pin_memory_false_on_cuda():
+    """From pageable host memory CUDA copies block the host (device to host until the copy ends, host to device
+    after a stream sync), so the offload's pipelined copies no longer overlap the layers or the host Adam: the plan
+    says so on CUDA, and only where something is off the device."""
+    from ds_pseudo_real.offload.planner import describe_plan, place
+
+    groups = uniform_groups(2, 1000)
+    levels = {"layer1": PlacementLevel.HOST_OPTIMIZER}
+    note = ("pin_memory false: the host buffers are pageable, so every copy between host and device is synchronous "
+            "(the copies overlap neither the layers nor the host Adam)")
+    for pin, accelerator, offloaded, said in ((False, "cuda", levels, True), (True, "cuda", levels, False),
+                                              (False, "cpu", levels, False), (False, "cuda", {}, False)):
+        section = parse_granular_offload({"granular_offload": {"device_memory": 1, "pin_memory": pin}})
+        setup = training_setup({"zero_optimization": {"stage": 1}}, section, 1, 2, accelerator)
+        assert (note in describe_plan(place(groups, offloaded, setup))) == said, (pin, accelerator, offloaded)
+
+
 def test_setup_reads_gradient_accumulation_as_deepspeed_derives_it():
     section = parse_granular_offload({"granular_offload": {"device_memory": 1}})
 
