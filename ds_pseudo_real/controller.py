@@ -558,6 +558,8 @@ class PseudoToRealController:
         return triggers[done] if self.next_stage is not None and done < len(triggers) else None
 
     def _release_engine(self) -> None:
+        from .offload.pinned import empty_host_cache
+
         remove_hooks = getattr(ds_state.basic_optimizer(self.engine), "remove_hooks", None)
         if remove_hooks is not None:  # granular offload's fetch and gradient hooks live on the old model
             remove_hooks()
@@ -568,6 +570,7 @@ class PseudoToRealController:
         self.engine = self.optimizer = self.lr_scheduler = None
         gc.collect()
         return_freed_host_memory()
+        empty_host_cache()  # the pinned blocks torch's host allocator kept of the pseudo engine's
 
     def delink(self) -> Dict[str, Any]:
         """Turn the pseudo engine into the next stage's, in process: the real one, or with a progressive schedule

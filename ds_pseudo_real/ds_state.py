@@ -316,8 +316,13 @@ def step_counters(engine) -> Dict[str, Any]:
 
 
 def unfilled(shape, device, pin_memory: bool = False) -> torch.Tensor:
-    """New contiguous fp32 memory, left as the allocator gives it: for moments the delink writes next."""
-    return torch.empty(shape, dtype=torch.float32, device=device, pin_memory=pin_memory)
+    """New contiguous fp32 memory, left as the allocator gives it: for moments the delink writes next (pinned host
+    memory: granular offload's, at its exact size)."""
+    if pin_memory:
+        from ds_pseudo_real.offload.pinned import host_empty
+
+        return host_empty(shape, torch.float32, pin=True)
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def swapped_sub_groups(engine) -> List[int]:

@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 import torch
 from torch import nn
 
+from ds_pseudo_real.offload.pinned import host_empty, is_pinned
 from ds_pseudo_real.sharing import get_layer_list
 
 
@@ -93,13 +94,13 @@ def in_one_allocation(params: Sequence[nn.Parameter], pinned: bool) -> bool:
                 or t.storage_offset() != offset):
             return False
         offset += t.numel()
-    return first.is_pinned() == pinned and offset * first.element_size() == storage.nbytes()
+    return is_pinned(first) == pinned and offset * first.element_size() == storage.nbytes()
 
 
 def one_allocation(params: Sequence[nn.Parameter], dtype: torch.dtype, pin_memory: bool) -> List[torch.Tensor]:
-    """One host allocation (pinned when ``pin_memory``) of ``dtype`` holding ``params`` one after the other: a
-    view shaped like each param, in order (the layout :func:`in_one_allocation` recognises)."""
-    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device="cpu", pin_memory=pin_memory)
+    """One host allocation (pinned when ``pin_memory``, at its exact size) of ``dtype`` holding ``params`` one after
+    the other: a view shaped like each param, in order (the layout :func:`in_one_allocation` recognises)."""
+    flat = host_empty(sum(p.numel() for p in params), dtype, pin_memory)
     views, offset = [], 0
     for p in params:
         views.append(flat[offset:offset + p.numel()].view(p.shape))
@@ -292,9 +293,9 @@ class HostParamStore:
         out = fn(t) if probe.device.type == "cpu" else t.detach().to(dtype=probe.dtype)  # never via the device
         if out is t:
             return out
-        pin = self._host[t].is_pinned()
-        if out.device.type != "cpu" or out.is_pinned() != pin:
-            host = torch.empty(out.shape, dtype=out.dtype, device="cpu", pin_memory=pin)
+        pin = is_pinned(self._host[t])
+        if out.device.type != "cpu" or is_pinned(out) != pin:
+            host = host_empty(out.shape, out.dtype, pin)
             host.copy_(out)
             out = host
         self._host[t] = out
@@ -303,9 +304,8 @@ class HostParamStore:
 
     def _pack(self, params: List[nn.Parameter]) -> None:
         """Give a layer's host params one host allocation per dtype, each param a view of it, holding the param's
-        current value: the pinned allocator rounds every allocation up to a power of two, so one per parameter
-        would hold far more than the planner counts. Params already packed with another layer (a pseudo model's
-        shared set) are left as they are."""
+        current value: the allocations the planner counts, not one per parameter. Params already packed with another
+        layer (a pseudo model's shared set) are left as they are."""
         for dtype in dict.fromkeys(p.dtype for p in params):
             todo = [p for p in params if p.dtype == dtype and p not in self._packed]
             if not todo:
@@ -334,8 +334,7 @@ class HostParamStore:
             host = self._host[p]
             if p.data.data_ptr() != host.data_ptr() and p.data.data_ptr() not in live:
                 if host.dtype != p.dtype:
-                    host = self._host[p] = torch.empty(p.shape, dtype=p.dtype, device="cpu",
-                                                       pin_memory=host.is_pinned())
+                    host = self._host[p] = host_empty(p.shape, p.dtype, is_pinned(host))
                     self._packed.discard(p)
                 host.copy_(p.detach())
                 p.data = host
