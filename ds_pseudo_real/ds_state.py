@@ -18,7 +18,7 @@ import copy
 import functools
 import math
 import os
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from deepspeed.runtime.utils import combine_grad_norm_groups
@@ -824,9 +824,9 @@ def gather_full_state(engine, with_moments: bool, device: Optional[torch.device]
     return weights, moments
 
 
-def set_full_fp32_params(engine, values: Dict[str, torch.Tensor]) -> None:
-    """:func:`set_full_fp32_param` for every parameter, from ``values`` by ``named_parameters`` name, a swapped
-    ZeRO-3 sub-group at a time."""
+def set_full_fp32_params(engine, values: Mapping[str, torch.Tensor]) -> None:
+    """:func:`set_full_fp32_param` for every parameter, from ``values`` by ``named_parameters`` name (each read once,
+    in turn), a swapped ZeRO-3 sub-group at a time."""
     for index, run in by_swapped_sub_group(engine, engine.module.named_parameters()):
         with resident_sub_group(engine, index, write=True):
             for name, param in run:
