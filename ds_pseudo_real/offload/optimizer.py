@@ -284,10 +284,13 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load states saved by any plan with the same host_params groups: the current plan's group keys are kept,
-        host states go back to the host (torch moves every state onto its param's device) and the host masters are
-        re-read from the params (own groups' bf16 masters: restored as saved)."""
+        the states of the groups this plan steps on the host go straight into their host buffers (torch's
+        ``Optimizer.load_state_dict`` would first move every state onto its param's device: all the state the plan
+        keeps off the device, there at once), and the host masters are re-read from the params (own groups' bf16
+        masters: restored as saved)."""
         state_dict = dict(state_dict)
         own = state_dict.pop(OWN_GROUPS_KEY, [])
+        host_states = self._take_host_states(state_dict)
         layout = [(g["placement"], [p.numel() for p in g["params"]]) for g in self.own_param_groups]
         if [(g["placement"], g["numels"]) for g in own] != layout:
             raise ValueError(f"optimizer checkpoint: its granular offload host_params groups "
@@ -301,6 +304,8 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                 group.pop(key, None)
             group.update(keep)
             for p in group["params"]:
+                if p in host_states:
+                    self.state[p] = host_states.pop(p)
                 if self.state.get(p):
                     self._place_state(self.state[p], p, group["level"])
         self.refresh_host_masters()
@@ -315,6 +320,19 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         states = list(self.state.values()) + list(self.own_state.values())
         steps = [st["step"] for st in states if isinstance(st.get("step"), int)]
         self.host.replay_kernel_steps(max(steps, default=0), self.param_groups[0])
+
+    def _take_host_states(self, state_dict: Dict[str, Any]) -> Dict[torch.Tensor, Dict[str, Any]]:
+        """Take out of ``state_dict`` (its ``state`` replaced by a copy) the saved states of the params this plan
+        steps on the host, by param (torch 2.x's layout: states keyed by the params' positions in the saved
+        ``param_groups``), each a new dict of the saved tensors as they are."""
+        state = dict(state_dict["state"])
+        state_dict["state"] = state
+        taken = {}
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            for p, saved_id in zip(group["params"], saved["params"]):
+                if saved_id in state and not self._steps_on_device(p, group["level"]):
+                    taken[p] = dict(state.pop(saved_id))
+        return taken
 
     @staticmethod
     def _steps_on_device(p: torch.Tensor, level: str) -> bool:
