@@ -273,8 +273,8 @@ def m6_10t_plan_only(world: int = 512, expert_parallel: int = 512, ranks_per_nod
     not fit on the GPUs, so it trains through granular offload (bf16, ZeRO 1: the planner's placement), and the
     delink keeps the gathered state on the host (``controller.GATHERED_ON``) beside the real stage's host state
     it builds. The real model it builds: in fp32 on the host (the first delink), in the working dtype bf16 on the
-    host (2 bytes per real parameter), or, as now, where it trains (``controller.build_device``; the host_params
-    layers in their host allocations, counted in the real stage's host bytes). The goal: the real stage's host bytes
+    host (2 bytes per real parameter), or, as now, where it trains (``ds_pseudo_real.device.rank_device``; the
+    host_params layers in their host allocations, counted in the real stage's host bytes). The goal: the real stage's host bytes
     x 1.2 plus one layer (one fp32 layer)."""
     from benchmarks.m6_10t_plan import plan_row
     from ds_pseudo_real.moe.architecture import M6_10T, embedding_parameters, layer_parameters

@@ -174,7 +174,7 @@ def delink_vs_copy(args, corpus) -> Dict:
     run on memory it has had, as the clones after the first do."""
     import torch
 
-    from ds_pseudo_real.controller import build_device
+    from ds_pseudo_real.device import rank_device
     from ds_pseudo_real.models import GPT, GPTConfig
 
     cfg = GPTConfig(seq_len=args.big_seq_len, n_layer=args.big_layers, d_model=args.big_d_model,
@@ -182,7 +182,7 @@ def delink_vs_copy(args, corpus) -> Dict:
     with torch.device("meta"):
         shapes = [p.shape for p in GPT(cfg).parameters()]
     real_numel = sum(s.numel() for s in shapes)
-    device = build_device()
+    device = rank_device()
     source = [torch.ones(s, device=device) for s in shapes]
     copies = timed_clones(source, args.copy_repeats)
     stage_writes = timed_clones(source, args.copy_repeats, copies=3)

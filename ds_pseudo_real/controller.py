@@ -23,7 +23,6 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from . import checkpoint as ckpt
@@ -39,6 +38,7 @@ from .config import (
     PseudoToRealConfig,
     split_checkpoint_options,
 )
+from .device import rank_device, use_rank_device
 from .sharing import (
     apply_sharing,
     delink_layers,
@@ -101,15 +101,6 @@ def _parameter_names(skeleton: nn.Module, weights: Optional[Mapping[str, torch.T
     if missing:
         raise KeyError(f"no weights for real-model parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
     return names
-
-
-def build_device() -> torch.device:
-    """Where the engine keeps the model: this rank's accelerator device as DeepSpeed's engine picks it (from
-    ``LOCAL_RANK``), the CPU on a CPU run. Building the model there spares the host a copy of it."""
-    accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu":
-        return torch.device("cpu")
-    return torch.device(accelerator.device_name(int(os.environ.get("LOCAL_RANK", "0"))))
 
 
 # Where the delink keeps the gathered fp32 pseudo weights and moments while it builds the next stage: on the host.
@@ -316,6 +307,7 @@ class PseudoToRealController:
                     f"{name}: got a {type(value).__name__}; pass None or {what}, so that it can be built again for "
                     f"the real model at the delink"
                 )
+        use_rank_device()  # before the offload plan's store and streams and the engine are made
         self.config = ptr_config
         ds_config, self.checkpoint_options = split_checkpoint_options(ds_config)
         self._prepared_dirs: set = set()
@@ -515,7 +507,7 @@ class PseudoToRealController:
         if groups < depth:
             apply_sharing(skeleton, self.layer_path, groups)
         dtype = working_dtype(self.ds_config)
-        device = build_device()
+        device = rank_device()
         if (self.ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
             model = self._materialize_partitioned(skeleton, weights, dtype, device)
         else:

@@ -88,8 +88,9 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
                                          "get_optim_files", "_get_fp32_state_dict_from_zero3_checkpoint",
                                          "to_torch_tensor"),
     },
-    "granular_offload host_params": {  # the model broadcast at initialize, through the device under NCCL
-        "DeepSpeedEngine": ("_broadcast_model",),
+    # the model broadcast at initialize, through the device under NCCL; ZeRO 0's all-reduce, given device gradients
+    "granular_offload host_params": {
+        "DeepSpeedEngine": ("_broadcast_model", "allreduce_gradients"),
         "deepspeed.comm": ("broadcast",),
     },
 }
@@ -909,6 +910,18 @@ def drop_gradients_with(engine, drop: Callable[[], None]) -> None:
         drop()
 
     optimizer.zero_grad = zero_grad
+
+
+def before_gradient_reduction(engine, prepare: Callable[[], None]) -> None:
+    """Make ``engine`` call ``prepare()`` before it all-reduces the gradients of a backward itself (DeepSpeed 0.19.8
+    ``allreduce_gradients``, after every backward; at ZeRO 0 it reduces every parameter's gradient)."""
+    original = engine.allreduce_gradients
+
+    def allreduce_gradients(*args, **kwargs):
+        prepare()
+        return original(*args, **kwargs)
+
+    engine.allreduce_gradients = allreduce_gradients
 
 
 def steps_when_built(engine) -> bool:

@@ -25,6 +25,7 @@ import ds_pseudo_real
 from ds_pseudo_real.checkpoint import CheckpointError
 from ds_pseudo_real.config import SECTION, ConfigError, check_top_level_keys, load_ds_config, parse_pseudo_to_real
 from ds_pseudo_real.data import BYTE_VOCAB, build_corpus, indexed_vocabulary, parse_data_section
+from ds_pseudo_real.device import use_rank_device
 from ds_pseudo_real.models.build import build_model, model_spec, parameter_groups
 from ds_pseudo_real.report import MetricsLog, plot_history, read_records
 
@@ -94,17 +95,24 @@ def default_steps(ds_config: dict) -> int:
     return int(params.get("total_num_steps", DEFAULT_STEPS))
 
 
+def sum_over_ranks(values: List[torch.Tensor], device: torch.device) -> List[float]:
+    """Each of the scalars ``values`` summed over the ranks, in one all-reduce of a tensor on ``device`` (the
+    engine's: NCCL takes device tensors only)."""
+    total = torch.stack([v.detach().float().reshape(()).to(device) for v in values])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return total.tolist()
+
+
 @torch.no_grad()
 def evaluate(engine, corpus, args, batch_size: int, seq_len: int, rank: int, world: int) -> float:
     engine.eval()
-    total = torch.zeros(1)
+    total = torch.zeros((), device=engine.device)
     for i in range(args.eval_batches):
         x, y = corpus.batch("val", batch_size, seq_len, seed=1234, step=i, rank=rank)
-        total += engine(x.to(engine.device), y.to(engine.device)).float().cpu()
+        total += engine(x.to(engine.device), y.to(engine.device)).float()
     engine.train()
-    if world > 1:
-        dist.all_reduce(total)
-    return total.item() / (args.eval_batches * world)
+    return sum_over_ranks([total], engine.device)[0] / (args.eval_batches * world)
 
 
 def switch_step(engine) -> Optional[int]:
@@ -173,6 +181,7 @@ def train(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     stopper = StopOnSignal()  # first: a preemption during start-up must not kill the rank without a checkpoint
     single_process_defaults()
+    use_rank_device()  # NCCL's communicator and every object collective use the current device
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"rank {rank}/{world} started on {os.uname().nodename}", flush=True)
@@ -225,17 +234,16 @@ def train(argv: Optional[List[str]] = None) -> int:
     while engine.global_steps < steps:
         step = engine.global_steps
         stage, groups = engine.stage, engine.groups
-        loss_sum = torch.zeros(2)
+        loss_sum = torch.zeros((), device=engine.device)
         for m in range(gas):
             x, y = corpus.batch("train", micro, seq_len, args.seed, step * gas + m, rank)
             loss = engine(x.to(engine.device), y.to(engine.device))
             engine.backward(loss)
             engine.step()
-            loss_sum[0] += loss.detach().float().cpu()
-        loss_sum[1] = 1.0 if stopper.received else 0.0
-        if world > 1:
-            dist.all_reduce(loss_sum)
-        train_loss = loss_sum[0].item() / (gas * world)
+            loss_sum += loss.detach().float()
+        # the stop flag rides along: every rank stops at the same step if any rank got the signal
+        loss_total, stopping = sum_over_ranks([loss_sum, torch.tensor(float(bool(stopper.received)))], engine.device)
+        train_loss = loss_total / (gas * world)
         done = engine.global_steps
         window_steps += 1
         record = {"step": done, "stage": stage, "groups": groups, "train_loss": round(train_loss, 5),
@@ -269,7 +277,7 @@ def train(argv: Optional[List[str]] = None) -> int:
             except CheckpointError as error:  # every rank raises; training goes on and the next interval tries again
                 if rank == 0:
                     print(f"[ds_pseudo_real] WARNING: {error}", file=sys.stderr, flush=True)
-        if loss_sum[1].item() > 0:
+        if stopping > 0:
             engine.save_checkpoint(str(ckpt_dir))
             print(f"saved checkpoint at step {done} on signal {stopper.received or 'from another rank'}", flush=True)
             return 0

@@ -30,6 +30,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 from ds_pseudo_real.config import OptimizerStatePolicy
+from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.sharing import expand_state_dict
 from ds_pseudo_real.transition import member_moments
 from megatron_patches.shared_block import LAYERS, grouped_sharded_state_dict
@@ -133,19 +134,21 @@ class _AdamState:
             elif "exp_avg" in state and "step" in self._group_of(param):
                 out.update(step=_group_step(self._group_of(param)), step_in_group=True)
             return out
-        full = {k: torch.zeros(param.numel(), dtype=torch.float32) for k in ("main", *MOMENTS)}  # shards summed in
-        step = torch.zeros((), dtype=torch.float32)
-        in_group = torch.zeros((), dtype=torch.float32)
+        # shards summed in, on the rank's device: the data-parallel group is NCCL's on a GPU machine
+        device = rank_device()
+        full = {k: torch.zeros(param.numel(), dtype=torch.float32, device=device) for k in ("main", *MOMENTS)}
+        step = torch.zeros((), dtype=torch.float32, device=device)
+        in_group = torch.zeros((), dtype=torch.float32, device=device)
         if param in self.inner.model_param_group_index_map:
             shard = self.inner._get_main_param_and_optimizer_states(param)
             where = self.inner._get_model_param_range_map(param)["param"]
             for k, source in (("main", "param"), *((m, m) for m in MOMENTS)):
                 if source in shard:
                     full[k][where.start:where.end] = shard[source].detach().float().view(-1)
-            if "step" in shard:
-                step = shard["step"].detach().float().clone()
+            if "step" in shard:  # torch's Adam keeps it on the host
+                step = shard["step"].detach().float().to(device, copy=True)
             elif "step" in self._group_of(param):
-                step, in_group = _group_step(self._group_of(param)), torch.ones(())
+                step, in_group = _group_step(self._group_of(param)).to(device), torch.ones((), device=device)
         for tensor in full.values():
             dist.all_reduce(tensor, group=self.inner.data_parallel_group)
         for tensor in (step, in_group):

@@ -253,17 +253,17 @@ def test_moments_deepspeed_cannot_give_stop_the_delink_instead_of_resetting(monk
 def test_the_model_is_built_on_the_device_the_engine_trains_on(monkeypatch):
     """The delink builds the real model where DeepSpeed's engine keeps it (this rank's accelerator device, from
     LOCAL_RANK), so the host never holds it; on a CPU run, on the CPU."""
-    from ds_pseudo_real import controller
+    from ds_pseudo_real import controller, device
 
-    assert controller.build_device() == torch.device("cpu")
+    assert device.rank_device() == torch.device("cpu")
 
     class Accelerator:  # what DeepSpeed's CUDA accelerator answers
         def device_name(self, index=None):
             return "cuda" if index is None else f"cuda:{index}"
 
-    monkeypatch.setattr(controller, "get_accelerator", Accelerator)
+    monkeypatch.setattr(device, "get_accelerator", Accelerator)
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert controller.build_device() == torch.device("cuda", 3)
+    assert device.rank_device() == torch.device("cuda", 3)
     # materialize makes each parameter on the device it is given (meta stands in for one this machine lacks),
     # ties kept, and fills it there
     skeleton = controller.meta_skeleton(tiny_gpt())

@@ -38,7 +38,7 @@ def pinned_rows():
     against ``planner.pinned_bytes``; the buffer must read as pinned and carry a non-blocking copy."""
     import torch
 
-    from ds_pseudo_real.offload.pinned import host_empty, is_pinned
+    from ds_pseudo_real.offload.pinned import host_empty
     from ds_pseudo_real.offload.planner import pinned_bytes
 
     rows = []
@@ -51,7 +51,7 @@ def pinned_rows():
         device = buffer[: 2**20].to("cuda", non_blocking=True)
         torch.cuda.synchronize()
         rows.append({"buffer": name, "requested": size, "resident_added": taken, "planned": pinned_bytes(size),
-                     "from_torch_pinned_cache": from_cache, "is_pinned": buffer.is_pinned() and is_pinned(buffer),
+                     "from_torch_pinned_cache": from_cache, "is_pinned": buffer.is_pinned(),
                      "copied": bool(torch.equal(device.cpu(), buffer[: 2**20]))})
         del buffer, device
     return rows

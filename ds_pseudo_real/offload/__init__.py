@@ -14,6 +14,7 @@ from torch import nn
 
 from ds_pseudo_real import ds_state
 from ds_pseudo_real.config import ConfigError
+from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.offload.config import (
     SECTION, GranularOffloadConfig, explicit_levels, parse_granular_offload, training_setup,
 )
@@ -168,13 +169,14 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
     sizes, params, plan = _plan(model, ds_config, section, layer_path, world_size)
     groups = [param_group(size, ps, plan.level_of(size.name)) for size, ps in zip(sizes, params)]
     fetched = [g for g in groups if g["level"] == PlacementLevel.HOST_PARAMS.value]
+    device = rank_device()
     host_params = None
     if fetched:
         from ds_pseudo_real.offload.params import HostParamStore
 
         ds_state.route_host_broadcasts()  # the engine broadcasts the model, host tensors included, at initialize
         host_params = HostParamStore(model, layer_path, [g["params"] for g in fetched],
-                                     prefetch=section.prefetch, pin_memory=section.pin_memory)
+                                     prefetch=section.prefetch, pin_memory=section.pin_memory, device=device)
     own = fetched if plan.setup.host_params_outside_deepspeed else []
     names = {id(p): name for name, p in model.named_parameters()}
     for group in own:  # named in checkpoints, where DeepSpeed's consolidation does not see them
@@ -187,7 +189,7 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
     clip_grad = float(ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
     optimizer = GranularOffloadOptimizer(kept, pin_memory=section.pin_memory, host_params=host_params,
                                          own_groups=own, stream_gradients=plan.setup.streams_gradients,
-                                         clip_grad=clip_grad, **adam_arguments(ds_config))
+                                         clip_grad=clip_grad, device=device, **adam_arguments(ds_config))
     patched = copy.deepcopy(dict(ds_config))
     patched.pop("optimizer")
     patched["zero_allow_untested_optimizer"] = True  # a client optimizer under ZeRO
@@ -210,6 +212,8 @@ def attach_to_engine(engine) -> None:
     ds_state.check_internals(engine, "granular_offload")
     if optimizer.host_params is not None:
         optimizer.host_params.adopt_all()
+        if engine.zero_optimization_stage() == 0:  # the engine all-reduces every gradient, a missing one made on
+            ds_state.before_gradient_reduction(engine, optimizer.host_params.give_missing_gradients)  # the host
     if optimizer.own_param_groups:
         if ds_state.steps_when_built(engine):
             optimizer.zero_gradient_step()

@@ -93,7 +93,7 @@ class OwnGradients:
         cuda = grads[0].is_cuda
         stream = self.host.to_host_stream
         if cuda:
-            stream.wait_stream(torch.cuda.current_stream())
+            stream.wait_stream(torch.cuda.current_stream(grads[0].device))
         staged = {}
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             for p, grad in zip(params, grads):
@@ -172,8 +172,7 @@ class OwnGradients:
                 square = square / dist.get_world_size(self.sum_group(group))
             squares[bool(group.get("moe"))] += square
         if any(g.get("moe") for g in self.groups) and dist.is_initialized():
-            device = torch.device("cuda", torch.cuda.current_device()) if self.host.cuda else HOST
-            experts = squares[True].to(device)
+            experts = squares[True].to(self.host.device)
             dist.all_reduce(experts, group=self.reduce_group)
             squares[True] = experts.to(HOST)
         return (squares[False] + squares[True]).sqrt()

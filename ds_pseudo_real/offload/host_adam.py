@@ -15,6 +15,7 @@ import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
 from ds_pseudo_real import ds_state
+from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.offload import pinned
 from ds_pseudo_real.offload.planner import PlacementLevel
 
@@ -75,11 +76,15 @@ class HostAdam:
     second stream, so that the kernel on one batch overlaps the copies of the next ones and the host waits once per
     batch, never per parameter. The caller queues device work between the two. ``trace`` (a list,
     or None) records ``(operation, group placement)`` in the order they are issued.
+    ``device``: the rank's device, where the params and gradients it copies live and its streams are (default:
+    :func:`ds_pseudo_real.device.rank_device`).
     """
 
     def __init__(self, lr: float, betas, eps: float, weight_decay: float, adamw_mode: bool, bias_correction: bool,
-                 pin_memory: bool, host_params=None, batch_numel: int = BATCH_NUMEL, groups: Sequence[Dict] = ()):
-        self.cuda = torch.cuda.is_available()
+                 pin_memory: bool, host_params=None, batch_numel: int = BATCH_NUMEL, groups: Sequence[Dict] = (),
+                 device: Optional[torch.device] = None):
+        self.device = device or rank_device()  # where the params and gradients it copies live
+        self.cuda = self.device.type == "cuda"
         # the optimizer's group dicts: ZeRO 1/2 rewrite their params in place, so buffers are laid out at first use
         self._groups = list(groups)
         self._where: Dict[torch.Tensor, Tuple[Dict[str, Any], int]] = {}  # param -> (its group, offset in it)
@@ -92,8 +97,8 @@ class HostAdam:
                                           weight_decay=weight_decay, adamw_mode=adamw_mode,
                                           bias_correction=bias_correction)
         ds_state.check_cpu_adam(self._cpu_adam, "granular_offload")
-        self.to_host_stream = torch.cuda.Stream() if self.cuda else None
-        self.to_device_stream = torch.cuda.Stream() if self.cuda else None
+        self.to_host_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.to_device_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.masters: Dict[torch.Tensor, torch.Tensor] = {}
         self.grad_buffers: Dict[torch.Tensor, torch.Tensor] = {}
         self._stale_masters: set = set()
@@ -202,7 +207,7 @@ class HostAdam:
         which completes the gradients). ``moved(group, bytes)`` counts what crosses between device and host."""
         work = batches(groups, self.batch_numel)
         if self.cuda:
-            self.to_host_stream.wait_stream(torch.cuda.current_stream())
+            self.to_host_stream.wait_stream(torch.cuda.current_stream(self.device))
         for batch in work:
             self._copy_gradients(batch, moved)
         return work
@@ -213,7 +218,7 @@ class HostAdam:
         stream on CUDA), so the kernel on one batch runs while the next ones are still being copied. ``state_of(p)``
         gives p's optimizer state (moments created here on the host at p's first step)."""
         if self.cuda:
-            self.to_device_stream.wait_stream(torch.cuda.current_stream())  # nothing queued may still read params
+            self.to_device_stream.wait_stream(torch.cuda.current_stream(self.device))  # nothing may still read params
         counted = set()
         for batch in work:
             if batch.copied is not None:
@@ -232,7 +237,7 @@ class HostAdam:
                 self._copy_masters_back(batch, moved)
         if self.cuda:
             # ZeRO copies the fp32 partition into the working params right after step() returns
-            torch.cuda.current_stream().wait_stream(self.to_device_stream)
+            torch.cuda.current_stream(self.device).wait_stream(self.to_device_stream)
 
     def _copy_gradients(self, batch: Batch, moved) -> None:
         cuda = any(p.grad.is_cuda for p, _, _ in batch.pieces)

@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 
 from ds_pseudo_real import ds_state
+from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.offload.gradients import OwnGradients
 from ds_pseudo_real.offload.host_adam import BATCH_NUMEL, HOST, HOST_PARAMS, HostAdam
 from ds_pseudo_real.offload.planner import PlacementLevel
@@ -68,18 +69,21 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
     ``reduce_group``, DeepSpeed's data-parallel group, which ``attach_to_engine`` sets; experts summed over their
     expert-data-parallel group) and steps itself, outside ``param_groups`` (see the module docstring).
     ``batch_numel``: elements per pipelined host copy batch (:class:`~ds_pseudo_real.offload.host_adam.HostAdam`).
+    ``device``: the rank's device, where its device groups and gradients live (default:
+    :func:`ds_pseudo_real.device.rank_device`, never the current device, which DeepSpeed sets only later).
     """
 
     def __init__(self, param_groups: Iterable[Dict[str, Any]], lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True, bias_correction: bool = True,
                  pin_memory: bool = True, host_params=None, own_groups: Iterable[Dict[str, Any]] = (),
                  reduce_group=None, stream_gradients: bool = True, clip_grad: float = 0.0,
-                 batch_numel: int = BATCH_NUMEL):
+                 batch_numel: int = BATCH_NUMEL, device: Optional[torch.device] = None):
         groups = [dict(g) for g in param_groups]
         for g in groups:
             g["level"] = PlacementLevel(g.get("level", PlacementLevel.DEVICE)).value
+        device = device or rank_device()
         device_groups = [g.get("placement") for g in groups if g["level"] == PlacementLevel.DEVICE.value]
-        if not bias_correction and device_groups and torch.cuda.is_available():
+        if not bias_correction and device_groups and device.type == "cuda":
             raise ValueError(f"optimizer.params.bias_correction: got False, but granular_offload steps the groups at "
                              f"'device' on CUDA with torch's fused Adam, which always corrects the bias (groups: "
                              f"{device_groups}); accepted: true (the default), or no group at 'device'")
@@ -94,7 +98,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         self.adamw_mode = adamw_mode
         self.host_params = host_params
         self.host = HostAdam(lr, betas, eps, weight_decay, adamw_mode, bias_correction, pin_memory, host_params,
-                             batch_numel, groups=self.param_groups + self.own_param_groups)
+                             batch_numel, groups=self.param_groups + self.own_param_groups, device=device)
         self.own_gradients = OwnGradients(self.own_param_groups, self.host, stream_gradients)
         self.own_gradients.reduce_group = reduce_group
         self.own_gradients.moved = self._count_moved
@@ -172,7 +176,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                                       state["exp_avg_sq"])
         if cuda:
             if self._device_adam is None:
-                self._device_adam = _fused_device_adam([torch.nn.Parameter(torch.zeros(1, device="cuda"))],
+                self._device_adam = _fused_device_adam([torch.nn.Parameter(torch.zeros(1, device=self.host.device))],
                                                        self.adamw_mode, self.defaults)
                 self._device_adam.state = self.state
             self._device_adam.param_groups = [{**self._device_adam.defaults, **group, "params": cuda}]

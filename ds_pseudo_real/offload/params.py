@@ -20,7 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 import torch
 from torch import nn
 
-from ds_pseudo_real.offload.pinned import host_empty, is_pinned
+from ds_pseudo_real.device import rank_device
+from ds_pseudo_real.offload.pinned import host_empty
 from ds_pseudo_real.sharing import get_layer_list
 
 
@@ -94,7 +95,7 @@ def in_one_allocation(params: Sequence[nn.Parameter], pinned: bool) -> bool:
                 or t.storage_offset() != offset):
             return False
         offset += t.numel()
-    return is_pinned(first) == pinned and offset * first.element_size() == storage.nbytes()
+    return first.is_pinned() == pinned and offset * first.element_size() == storage.nbytes()
 
 
 def one_allocation(params: Sequence[nn.Parameter], dtype: torch.dtype, pin_memory: bool) -> List[torch.Tensor]:
@@ -127,7 +128,8 @@ def host_param_views(layers: Sequence[nn.Module], host_ids: Set[int], dtype_of: 
 class HostParamStore:
     """Keeps the parameters in ``host_param_lists`` on the host and serves them to the layers that use them.
 
-    ``trace=True`` records every transition as ``(layer, old state, new state)`` in :attr:`transitions`.
+    ``device``: where the layers run (default: :func:`ds_pseudo_real.device.rank_device`). ``trace=True`` records
+    every transition as ``(layer, old state, new state)`` in :attr:`transitions`.
     """
 
     def __init__(self, model: nn.Module, layer_path: str, host_param_lists: Sequence[Sequence[nn.Parameter]],
@@ -135,11 +137,10 @@ class HostParamStore:
                  trace: bool = False):
         check_torch_internals()
         wanted = {id(p) for params in host_param_lists for p in params}
-        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                                 else torch.device("cpu"))
+        self.device = device or rank_device()
         self.prefetch = prefetch
         self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream() if self._cuda else None
+        self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         # one entry per layer module using host params, in layer order (a pseudo model's shared set: every member)
         self._entries: List[List[nn.Parameter]] = []
         modules = []
@@ -184,9 +185,10 @@ class HostParamStore:
         elif new is Residency.ON_DEVICE:
             tensors, event = self._buffers[k]
             if event is not None:
-                torch.cuda.current_stream().wait_event(event)
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_event(event)
                 for t in tensors:
-                    t.record_stream(torch.cuda.current_stream())  # allocated on the copy stream, used on this one
+                    t.record_stream(compute)  # allocated on the copy stream, used on this one
             for p, t in zip(params, tensors):
                 p.data = t
         elif new is Residency.RELEASED:
@@ -204,7 +206,7 @@ class HostParamStore:
         self._adopt(params)
         event = None
         if self._cuda:
-            self._stream.wait_stream(torch.cuda.current_stream())
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 tensors = [self._host[p].to(self.device, non_blocking=True) for p in params]
                 event = torch.cuda.Event()
@@ -293,8 +295,8 @@ class HostParamStore:
         out = fn(t) if probe.device.type == "cpu" else t.detach().to(dtype=probe.dtype)  # never via the device
         if out is t:
             return out
-        pin = is_pinned(self._host[t])
-        if out.device.type != "cpu" or is_pinned(out) != pin:
+        pin = self._host[t].is_pinned()
+        if out.device.type != "cpu" or out.is_pinned() != pin:
             host = host_empty(out.shape, out.dtype, pin)
             host.copy_(out)
             out = host
@@ -322,6 +324,18 @@ class HostParamStore:
                 self._packed.add(p)
                 p.data = host
 
+    @torch.no_grad()
+    def give_missing_gradients(self) -> None:
+        """A zero gradient on the device for every host param that got none (a layer the step did not run), where
+        the fetched layers' gradients are: fp32 ZeRO 0 all-reduces every parameter's gradient itself and makes a
+        missing one on ``param.device``, the host here, which NCCL refuses."""
+        for p in dict.fromkeys(p for params in self._entries for p in params):
+            if p.requires_grad and p.grad is None:
+                zeros = torch.zeros(p.shape, dtype=p.dtype, device=self.device)
+                host, p.data = p.data, zeros  # torch assigns a gradient on its tensor's device only
+                p.grad = zeros
+                p.data = host
+
     def host_tensor(self, p: nn.Parameter) -> torch.Tensor:
         """The host copy of ``p``: its working value between uses and the optimizer's fp32 master."""
         return self._host[p]
@@ -334,7 +348,7 @@ class HostParamStore:
             host = self._host[p]
             if p.data.data_ptr() != host.data_ptr() and p.data.data_ptr() not in live:
                 if host.dtype != p.dtype:
-                    host = self._host[p] = host_empty(p.shape, p.dtype, is_pinned(host))
+                    host = self._host[p] = host_empty(p.shape, p.dtype, host.is_pinned())
                     self._packed.discard(p)
                 host.copy_(p.detach())
                 p.data = host

@@ -10,12 +10,11 @@ through the real stage). Must not plan or step.
 from __future__ import annotations
 
 import mmap
-from typing import Dict, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 
 CUDA_SUCCESS = 0  # cudaError_t cudaSuccess
-_registered: Dict[int, int] = {}  # address -> bytes of every registration still alive
 
 
 class _RegisteredPages(mmap.mmap):
@@ -23,12 +22,12 @@ class _RegisteredPages(mmap.mmap):
     ``frombuffer``), so ``__del__`` runs once the last tensor, view or ``Parameter.data`` using them is gone, and
     before the pages are unmapped (a subclass finalizer runs before ``mmap``'s own dealloc)."""
 
-    address = 0
+    address = 0  # set once registered
+    cudart = None  # the runtime module that registered them
 
     def __del__(self):
-        if self.address in _registered:
-            del _registered[self.address]
-            torch.cuda.cudart().cudaHostUnregister(self.address)
+        if self.address:
+            self.cudart.cudaHostUnregister(self.address)
 
 
 def host_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -42,24 +41,14 @@ def host_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype, pin: bool) 
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     pages = _RegisteredPages(-1, nbytes)
     address = torch.frombuffer(pages, dtype=torch.uint8).data_ptr()
-    result = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+    pages.cudart = torch.cuda.cudart()
+    result = int(pages.cudart.cudaHostRegister(address, nbytes, 0))
     if result != CUDA_SUCCESS:
         raise RuntimeError(f"granular_offload.pin_memory: cudaHostRegister of {nbytes} bytes of host memory failed "
                            f"(CUDA error {result}); accepted: a host that can page-lock it, or pin_memory false "
                            f"(pageable buffers, synchronous copies)")
     pages.address = address
-    _registered[address] = nbytes
-    return torch.frombuffer(pages, dtype=dtype, count=numel).view(size)
-
-
-def is_pinned(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` lies in page-locked host memory: a :func:`host_empty` buffer, or torch's pinned memory."""
-    return tensor.untyped_storage().data_ptr() in _registered or tensor.is_pinned()
-
-
-def registered_bytes() -> int:
-    """Bytes of host memory :func:`host_empty` holds registered now."""
-    return sum(_registered.values())
+    return torch.frombuffer(pages, dtype=dtype, count=numel).view(size)  # CUDA reports it pinned: ``is_pinned()``
 
 
 def empty_host_cache() -> None:

@@ -48,23 +48,3 @@ def test_a_release_outside_the_tested_range_is_refused(monkeypatch, package, ver
                                            f"found {package} {version}"):
         ds_pseudo_real.initialize(model=tiny_gpt(), config=cfg)
 
-
-def test_bias_correction_off_is_refused_where_torchs_fused_adam_steps_device_groups(monkeypatch):
-    """On CUDA the groups at 'device' step with torch's fused Adam, which always corrects the bias: without bias
-    correction they would step differently from the host levels (DeepSpeed's CPU kernel honours the key), so the
-    optimizer refuses it, naming the key. On the CPU every level steps with DeepSpeed's kernel: accepted there."""
-    import torch
-
-    from ds_pseudo_real.offload import GranularOffloadOptimizer
-
-    def groups():
-        return [{"params": [torch.nn.Parameter(torch.zeros(2))], "placement": "layer0", "level": "device"},
-                {"params": [torch.nn.Parameter(torch.zeros(2))], "placement": "layer1", "level": "host_optimizer"}]
-
-    GranularOffloadOptimizer(groups(), bias_correction=False)  # a CPU run
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ValueError) as refused:
-        GranularOffloadOptimizer(groups(), bias_correction=False)
-    assert str(refused.value).startswith(
-        "optimizer.params.bias_correction: got False, but granular_offload steps the groups at 'device' on CUDA "
-        "with torch's fused Adam, which always corrects the bias (groups: ['layer0']); accepted: true")
