@@ -3,10 +3,9 @@ of benchmarks/gpu/bundle.txt and DeepSpeed 0.19.x, into SITE (which check.sh put
 PATH); then import everything the GPU check imports and print the versions found. The standard library only: it
 runs before anything is installed.
 
-A package counts as present when its distribution is installed (any version) and importable, except pydantic below 2,
-a setuptools below 70.1 (which cannot build DeepSpeed's wheel without the ``wheel`` package) and a DeepSpeed other
-than 0.19.x, which are replaced; a pydantic from the bundle comes with the pydantic-core it pins and the packages it
-needs. Exit status 1, naming them, when the bundle lacks a file it needs or an import fails.
+A package counts as present when its distribution is installed and importable, at least at ``MINIMUM`` (a version
+below it is replaced from the bundle), and DeepSpeed when it is 0.19.x; a pydantic from the bundle comes with the
+pydantic-core it pins. Exit status 1, naming them, when the bundle lacks a file it needs or an import fails.
 
     python benchmarks/gpu/install_bundle.py BUNDLE_DIR SITE_DIR
 """
@@ -22,7 +21,10 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
-PYDANTIC_FAMILY = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions")
+# (major, minor) below which a present package is replaced: what DeepSpeed 0.19.8 (pydantic >= 2) and pydantic 2.14
+# require, and a setuptools that builds DeepSpeed's wheel without the ``wheel`` package (70.1)
+MINIMUM = {"pydantic": (2, 0), "typing-extensions": (4, 14), "annotated-types": (0, 6), "typing-inspection": (0, 4),
+           "packaging": (20, 0), "setuptools": (70, 1)}
 # What the GPU check imports (its benchmarks, DeepSpeed's CPU Adam build, the plugin), checked once installed.
 IMPORTS = ("torch", "deepspeed", "deepspeed.ops.adam", "deepspeed.moe.layer", "pydantic", "hjson", "einops", "msgpack",
            "numpy", "packaging", "psutil", "cpuinfo", "tqdm", "ninja", "setuptools", "ds_pseudo_real.offload",
@@ -48,14 +50,10 @@ def major_minor(version: str) -> tuple:
 
 def needed(packages: Dict[str, str]) -> List[str]:
     """The distributions of ``packages`` and deepspeed to take from the bundle."""
-    take = [dist for dist in packages if installed(dist) is None]
-    pydantic, setuptools = installed("pydantic"), installed("setuptools")
-    if pydantic is not None and major_minor(pydantic) < (2, 0):
-        take.append("pydantic")
-    if setuptools is not None and major_minor(setuptools) < (70, 1):  # builds DeepSpeed's wheel without `wheel`
-        take.append("setuptools")
-    if "pydantic" in take:
-        take += [dist for dist in PYDANTIC_FAMILY if dist not in take]
+    take = [dist for dist in packages
+            if installed(dist) is None or major_minor(installed(dist)) < MINIMUM.get(dist, (0, 0))]
+    if "pydantic" in take and "pydantic-core" not in take:  # pydantic pins the exact pydantic-core it runs on
+        take.append("pydantic-core")
     deepspeed = installed("deepspeed")
     if deepspeed is None or major_minor(deepspeed) != (0, 19):
         take.append("deepspeed")
