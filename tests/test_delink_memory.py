@@ -5,6 +5,7 @@ first layers' at once (the real model in fp32). The report gives the most it hel
 here that is checked against the bytes of the tensors alive while the real model is filled, measured apart."""
 import gc
 import sys
+import warnings
 import zlib
 from pathlib import Path
 
@@ -23,9 +24,12 @@ NOISE = 0.01
 def live_cpu_tensor_bytes() -> int:
     """Bytes of the host storages of every tensor Python holds now (each storage counted once)."""
     storages = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
+    with warnings.catch_warnings():  # a deprecated torch.distributed object warns when asked for its type
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for tensor in tensors:
+        if tensor.device.type == "cpu":
+            storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
