@@ -271,7 +271,7 @@ def m6_10t_plan_only(world: int = 512, expert_parallel: int = 512, ranks_per_nod
     counts and the planner's byte model (no run). Every rank gathers its pseudo model's full fp32 weights and both
     Adam moments (12 bytes per pseudo parameter: its experts, the shared layer, the embedding). The real stage does
     not fit on the GPUs, so it trains through granular offload (bf16, ZeRO 1: the planner's placement), and the
-    delink keeps the gathered state on the host (``controller.staging_device``) beside the real stage's host state
+    delink keeps the gathered state on the host (``controller.GATHERED_ON``) beside the real stage's host state
     it builds. The real model it builds: in fp32 on the host (the first delink), in the working dtype bf16 on the
     host (2 bytes per real parameter), or, as now, where it trains (``ds_pseudo_real.device.rank_device``; the
     host_params layers in their host allocations, counted in the real stage's host bytes). The goal: the real

@@ -132,8 +132,8 @@ def main(argv=None) -> int:
         ])
     table = markdown_table(header, table_rows)
     print(f"\nper GPU on {args.world} x {args.gpu_memory_gib:g} GiB ({args.reserved_gib:g} GiB reserved, activations "
-          f"with full checkpointing, micro-batch {args.micro_batch}, seq {arch.seq_length}; host buffers pinned and "
-          f"rounded up to powers of two; offload time at {DEFAULT_PCIE_BYTES_PER_S / 1e9:g} GB/s PCIe and "
+          f"with full checkpointing, micro-batch {args.micro_batch}, seq {arch.seq_length}; host buffers pinned at "
+          f"their size, in whole pages; offload time at {DEFAULT_PCIE_BYTES_PER_S / 1e9:g} GB/s PCIe and "
           f"{DEFAULT_CPU_ADAM_PARAMS_PER_S:.3g} host Adam params/s):\n{table}")
     path = write_json(args.out / "m6_10t_plan.json", {
         "architecture": vars(arch) if hasattr(arch, "__dict__") else str(arch), "parameters": counts,

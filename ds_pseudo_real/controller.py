@@ -19,7 +19,7 @@ import sys
 import time
 import uuid
 import zlib
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import deepspeed
 import torch
@@ -95,7 +95,7 @@ def working_dtype(ds_config: Dict[str, Any]) -> torch.dtype:
     return torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32
 
 
-def _parameter_names(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]]) -> Dict[int, str]:
+def _parameter_names(skeleton: nn.Module, weights: Optional[Mapping[str, torch.Tensor]]) -> Dict[int, str]:
     """{id: name} of the skeleton's parameters (a tie under its first name), every one of them in ``weights``."""
     names = {id(param): name for name, param in skeleton.named_parameters()}
     missing = [name for name in names.values() if weights is not None and name not in weights]
@@ -104,17 +104,53 @@ def _parameter_names(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tens
     return names
 
 
-def staging_device(ds_config: Dict[str, Any]) -> torch.device:
-    """Where the delink keeps the gathered fp32 pseudo weights and moments while it builds the next stage: on the
-    device the engine trains on, where the pseudo engine's own state was, so that the host never holds them; on the
-    host when the job moves optimizer state or parameters off the device (DeepSpeed's ``offload_optimizer`` or
-    ``offload_param``, the plugin's ``granular_offload``, whose plan fills the device budget with the next stage's
-    state), and on a CPU run."""
-    from .offload.config import deepspeed_offloads
+# Where the delink keeps the gathered fp32 pseudo weights and moments while it builds the next stage: on the host.
+# They are full (unpartitioned) on every rank whatever the ZeRO stage, 12 bytes per pseudo parameter: on the device
+# they would add that to the real stage's peak there (more than the real stage itself holds per rank under ZeRO 3 on
+# enough ranks). The gather moves them off the device a parameter at a time, as DeepSpeed hands each over, and the
+# build reads them back a piece at a time (``fill_copies``); the host holds them, as it does when the job offloads.
+GATHERED_ON = torch.device("cpu")
 
-    if deepspeed_offloads(ds_config) or "granular_offload" in ds_config:
-        return torch.device("cpu")
-    return rank_device()
+
+class Starts(Mapping):
+    """The values the next stage's parameters start from, by name: views of the gathered pseudo weights (many names
+    to one tensor), and with ``noise`` > 0 (``pseudo_to_real.delink_noise``) for every copy but each group's first
+    layer the shared value plus Gaussian noise of ``noise`` x its standard deviation, drawn on the CPU from a
+    generator keyed by the name (the same on every rank and device). A noisy value is made when it is read, for the
+    caller to write and drop: at most one is held at a time, never every copy at once (the real model's layers in
+    fp32). ``peak_bytes``: the largest made so far."""
+
+    def __init__(self, shared: Dict[str, torch.Tensor], noise: float, layer_path: str):
+        self._shared = shared
+        self._noise = noise
+        self._noisy = set()
+        seen = set()
+        for name, value in shared.items():
+            if (noise and id(value) in seen and layer_index_of(name, layer_path) is not None
+                    and value.is_floating_point() and value.numel() >= 2):
+                self._noisy.add(name)
+            seen.add(id(value))
+        self.peak_bytes = 0
+
+    def made_on_read(self, name: str) -> bool:
+        """Whether ``self[name]`` is a new (noisy) tensor made for that parameter alone."""
+        return name in self._noisy
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = self._shared[name]
+        if name not in self._noisy:
+            return value
+        generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        noise = torch.randn(value.shape, generator=generator, dtype=torch.float32).to(value.device)
+        made = noise.mul_(self._noise * value.float().std()).add_(value.float()).to(value.dtype)
+        self.peak_bytes = max(self.peak_bytes, made.numel() * made.element_size())
+        return made
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shared)
+
+    def __len__(self) -> int:
+        return len(self._shared)
 
 
 def _cast(param: nn.Parameter, dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -122,12 +158,14 @@ def _cast(param: nn.Parameter, dtype: Optional[torch.dtype]) -> torch.dtype:
 
 
 def _give_storage(unit: nn.Module, names: Dict[int, str], made: Dict[int, nn.Parameter],
-                  weights: Optional[Dict[str, torch.Tensor]], dtype: Optional[torch.dtype],
+                  weights: Optional[Mapping[str, torch.Tensor]], dtype: Optional[torch.dtype],
                   device: Optional[torch.device] = None, views: Optional[Dict[int, torch.Tensor]] = None) -> None:
     """Give the meta parameters of ``unit`` storage on ``device`` (the CPU when None; ties kept through ``made``),
     or the view ``views`` holds for it, floating ones in ``dtype`` when given, then fill them from ``weights``: the
-    parameters that start from one tensor (the layers of a shared set) together, each piece of it read once."""
+    parameters that start from one tensor (the layers of a shared set) together, each piece of it read once; those
+    whose value :class:`Starts` makes when read (noisy copies) one at a time, each value dropped once written."""
     copies: Dict[int, Tuple[torch.Tensor, List[torch.Tensor]]] = {}  # by the source's id: (source, its copies)
+    own: List[Tuple[torch.Tensor, str]] = []  # (parameter, name) filled from a value made for it alone
     for module in unit.modules():
         for key, param in list(module._parameters.items()):
             if param is None or (id(param) not in made and param.device.type != "meta"):
@@ -137,16 +175,21 @@ def _give_storage(unit: nn.Module, names: Dict[int, str], made: Dict[int, nn.Par
                 if storage is None:
                     storage = torch.empty_like(param, device=device or "cpu", dtype=_cast(param, dtype))
                 real = parameter_like(param, storage)
-                if weights is not None:
-                    source = weights[names[id(param)]]
+                name = names.get(id(param))
+                if isinstance(weights, Starts) and weights.made_on_read(name):
+                    own.append((real, name))
+                elif weights is not None:
+                    source = weights[name]
                     copies.setdefault(id(source), (source, []))[1].append(real)
                 made[id(param)] = real
             module._parameters[key] = made[id(param)]
     for source, targets in copies.values():
         fill_copies(targets, source)
+    for real, name in own:
+        fill_copies([real], weights[name])
 
 
-def materialize(skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]],
+def materialize(skeleton: nn.Module, weights: Optional[Mapping[str, torch.Tensor]],
                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
                 views: Optional[Dict[int, torch.Tensor]] = None) -> nn.Module:
     """Give the skeleton's parameters real storage on ``device`` (the CPU when None; ties kept), or the storage
@@ -459,24 +502,7 @@ class PseudoToRealController:
         position = name.index(prefix)
         return name[:position] + f"{self.layer_path}.{source}." + name[position + len(prefix):], members
 
-    def _break_symmetry(self, starts: Dict[str, torch.Tensor], scale: float) -> Dict[str, torch.Tensor]:
-        """``pseudo_to_real.delink_noise``: every copy but a group's first layer (which keeps the shared values)
-        gets Gaussian noise of ``scale`` x the shared tensor's standard deviation, from a generator keyed by the
-        parameter's name, so that every rank adds the same noise."""
-        seen: Dict[int, str] = {}
-        out = {}
-        for name, value in starts.items():
-            first = seen.setdefault(id(value), name)
-            if (first == name or layer_index_of(name, self.layer_path) is None or not value.is_floating_point()
-                    or value.numel() < 2):
-                out[name] = value
-                continue
-            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # on the CPU: the same on any device
-            noise = torch.randn(value.shape, generator=generator, dtype=torch.float32).to(value.device)
-            out[name] = (value.float() + scale * value.float().std() * noise).to(value.dtype)
-        return out
-
-    def _build_engine(self, depth: int, groups: int, weights: Optional[Dict[str, torch.Tensor]]) -> Dict[str, float]:
+    def _build_engine(self, depth: int, groups: int, weights: Optional[Mapping[str, torch.Tensor]]) -> Dict[str, float]:
         """The model of ``depth`` layers in ``groups`` parameter sets (``num_layers`` twice: the real model) from the
         skeleton, with ``weights`` (every layer's names) or uninitialized storage, and its engine; returns the
         seconds of its phases (``model``: storage and values, ``engine``: ``deepspeed.initialize``, ``masters``: the
@@ -527,7 +553,7 @@ class PseudoToRealController:
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         return getattr(self._mpu, "get_data_parallel_world_size", lambda: world)()
 
-    def _materialize_partitioned(self, skeleton: nn.Module, weights: Optional[Dict[str, torch.Tensor]],
+    def _materialize_partitioned(self, skeleton: nn.Module, weights: Optional[Mapping[str, torch.Tensor]],
                                  dtype: torch.dtype, device: Optional[torch.device] = None) -> nn.Module:
         """ZeRO-3: give the skeleton storage one layer at a time (then the rest), in the engine's dtype, and hand
         each to ``deepspeed.zero.Init(module=...)``, which keeps this rank's partition and frees the rest, so that a
@@ -558,6 +584,8 @@ class PseudoToRealController:
         return triggers[done] if self.next_stage is not None and done < len(triggers) else None
 
     def _release_engine(self) -> None:
+        from .offload.pinned import empty_host_cache
+
         remove_hooks = getattr(ds_state.basic_optimizer(self.engine), "remove_hooks", None)
         if remove_hooks is not None:  # granular offload's fetch and gradient hooks live on the old model
             remove_hooks()
@@ -568,6 +596,7 @@ class PseudoToRealController:
         self.engine = self.optimizer = self.lr_scheduler = None
         gc.collect()
         return_freed_host_memory()
+        empty_host_cache()  # the pinned blocks torch's host allocator kept of the pseudo engine's
 
     def delink(self) -> Dict[str, Any]:
         """Turn the pseudo engine into the next stage's, in process: the real one, or with a progressive schedule
@@ -588,8 +617,7 @@ class PseudoToRealController:
         pseudo_numel, pseudo_total = parameter_numel(old.module), ds_state.total_parameter_numel(old.module)
         pseudo_memory = ds_state.memory_report(old)
         pseudo_plan = self.offload_plan
-        staging = staging_device(self.full_ds_config)
-        weights, moments = ds_state.gather_full_state(old, policy != OptimizerStatePolicy.RESET.value, staging)
+        weights, moments = ds_state.gather_full_state(old, policy != OptimizerStatePolicy.RESET.value, GATHERED_ON)
         gathered = sum(t.numel() * t.element_size() for t in [
             *weights.values(), *(t for per in moments.values() for t in per.values())])
         counters = ds_state.step_counters(old)
@@ -607,11 +635,11 @@ class PseudoToRealController:
                    if layer_index_of(name, self.layer_path) is None or layer_index_of(name, self.layer_path) < new_depth}
         # views (materialize copies them into place); a name missing from ``weights`` is a tie to another
         # parameter outside the layers (e.g. a head tied to the embedding), which materialize fills through it
-        starts = {name: weights[source] for name, source in sources.items() if source in weights}
-        if self.config.delink_noise:
-            starts = self._break_symmetry(starts, self.config.delink_noise)
+        starts = Starts({name: weights[source] for name, source in sources.items() if source in weights},
+                        self.config.delink_noise, self.layer_path)
         lap("starts")
         phases.update(self._build_engine(new_depth, new_groups, starts))
+        held = gathered + starts.peak_bytes  # the gathered state and, beside it, the largest noisy copy
         del weights, starts
         clock = time.perf_counter()
         return_freed_host_memory()  # the per-parameter tensors DeepSpeed flattened or partitioned, freed in the build
@@ -660,7 +688,7 @@ class PseudoToRealController:
             "memory_after": ds_state.memory_report(engine),
             "rewarmup_steps": self.config.rewarmup_steps,
             "phases": phases,
-            "gathered": {"device": str(staging), "bytes": gathered},
+            "gathered": {"device": str(GATHERED_ON), "bytes": gathered, "peak_bytes": held},
         }
         if pseudo_plan is not None or self.offload_plan is not None:
             report["offload_plan_before"] = pseudo_plan
@@ -683,6 +711,7 @@ class PseudoToRealController:
                if report["layers_before"] != report["layers_after"] else "")
             + " (" + ", ".join(f"{name} {seconds:.2f}s" for name, seconds in report["phases"].items()) + ")"
             + f"; pseudo state gathered on {report['gathered']['device']}: {mib(report['gathered']['bytes'])}"
+            + f" (held at most {mib(report['gathered']['peak_bytes'])} with what the delink made of it)"
         )
         rank = dist.get_rank() if dist.is_initialized() else 0
         for when in ("before", "after"):

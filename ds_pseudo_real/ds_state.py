@@ -20,7 +20,7 @@ import copy
 import functools
 import math
 import os
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from deepspeed.runtime.utils import combine_grad_norm_groups
@@ -327,8 +327,13 @@ def step_counters(engine) -> Dict[str, Any]:
 
 
 def unfilled(shape, device, pin_memory: bool = False) -> torch.Tensor:
-    """New contiguous fp32 memory, left as the allocator gives it: for moments the delink writes next."""
-    return torch.empty(shape, dtype=torch.float32, device=device, pin_memory=pin_memory)
+    """New contiguous fp32 memory, left as the allocator gives it: for moments the delink writes next (pinned host
+    memory: granular offload's, at its exact size)."""
+    if pin_memory:
+        from ds_pseudo_real.offload.pinned import host_empty
+
+        return host_empty(shape, torch.float32, pin=True)
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def swapped_sub_groups(engine) -> List[int]:
@@ -830,9 +835,9 @@ def gather_full_state(engine, with_moments: bool, device: Optional[torch.device]
     return weights, moments
 
 
-def set_full_fp32_params(engine, values: Dict[str, torch.Tensor]) -> None:
-    """:func:`set_full_fp32_param` for every parameter, from ``values`` by ``named_parameters`` name, a swapped
-    ZeRO-3 sub-group at a time."""
+def set_full_fp32_params(engine, values: Mapping[str, torch.Tensor]) -> None:
+    """:func:`set_full_fp32_param` for every parameter, from ``values`` by ``named_parameters`` name (each read once,
+    in turn), a swapped ZeRO-3 sub-group at a time."""
     for index, run in by_swapped_sub_group(engine, engine.module.named_parameters()):
         with resident_sub_group(engine, index, write=True):
             for name, param in run:

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="host memory per rank, e.g. 200GiB; plans needing more are refused; overrides the "
                              "section's host_memory")
     parser.add_argument("--accelerator", choices=ACCELERATORS, default="cuda",
-                        help="what the run trains on: cuda (default) counts the reserve, pinned-memory rounding, "
+                        help="what the run trains on: cuda (default) counts the reserve, pinned host pages, "
                              "stream pools and DeepSpeed's reduce bucket; cpu plans a CPU-only run")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (ZeRO partitions over them)")
     parser.add_argument("--gradient-accumulation", type=_positive_int,

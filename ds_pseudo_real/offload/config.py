@@ -12,7 +12,7 @@ optimizer step. Must not build models, optimizers or engines.
         "activations": {"micro_batch": 1, "seq_len": 1024, "hidden": 1024, "heads": 16, "checkpointing": true},
         "reserved": "2GiB",               # kept free on the device (CUDA context, NCCL, fragmentation); default
                                           # planner.DEFAULT_RESERVED_BYTES (1 GiB) on CUDA, 0 on a CPU-only run
-        "host_memory": "200GiB",          # refuse plans needing more host memory per rank (pinned, rounded)
+        "host_memory": "200GiB",          # refuse plans needing more host memory per rank (pinned: whole pages)
         "pcie_gb_per_s": 12, "cpu_adam_params_per_s": 5e8,   # the modelled step time (defaults in planner)
         "prefetch": true, "pin_memory": true,
         "model": {"num_layers": 48, "layer_params": 4200000, "expert_params": 409000000, "expert_parallel": 512,
@@ -190,9 +190,10 @@ def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig,
     parallel).
 
     ``accelerator`` (default: this process's, ``default_accelerator()``): ``"cuda"`` counts the overheads only a
-    CUDA device has: the ``reserved`` default, pinned-memory rounding (with ``pin_memory``), the side streams'
-    allocator pools, and DeepSpeed's reduce bucket (on the CPU, ``torch.empty``'s pages are committed only where
-    gradients are written into it, so it is not counted). ``"cpu"`` plans a CPU-only run.
+    CUDA device has: the ``reserved`` default, pinned host buffers in whole pages (with ``pin_memory``; without it
+    the copies are synchronous, which the plan says), the side streams' allocator pools, and DeepSpeed's reduce
+    bucket (on the CPU, ``torch.empty``'s pages are committed only where gradients are written into it, so it is
+    not counted). ``"cpu"`` plans a CPU-only run.
     """
     accelerator = accelerator or default_accelerator()
     if accelerator not in ACCELERATORS:
@@ -224,6 +225,7 @@ def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig,
         return TrainingSetup(
             dtype, stage, world_size, activation, reserved, reduce_bucket_bytes=reduce_bucket,
             stream_pool_bytes=STREAM_POOL_BYTES if cuda else 0, pinned_host=cuda and section.pin_memory,
+            pageable_copies=cuda and not section.pin_memory,
             host_memory_bytes=section.host_memory, pcie_bytes_per_s=section.pcie_gb_per_s * 1e9,
             cpu_adam_params_per_s=section.cpu_adam_params_per_s, gradient_accumulation_steps=accumulation)
     except PlanError as error:

@@ -16,6 +16,7 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam
 
 from ds_pseudo_real import ds_state
 from ds_pseudo_real.device import rank_device
+from ds_pseudo_real.offload import pinned
 from ds_pseudo_real.offload.planner import PlacementLevel
 
 HOST = torch.device("cpu")
@@ -105,20 +106,19 @@ class HostAdam:
 
     def buffer(self, p: torch.Tensor, kind: str, filled: bool = True) -> torch.Tensor:
         """p's range, shaped like p, of the host fp32 buffer of ``kind`` (``grad``, ``master``, ``exp_avg``,
-        ``exp_avg_sq``, ``staging``) of p's group: one flat allocation per group and kind (pinned on CUDA), as the
-        planner counts them, not one per parameter (the pinned allocator rounds each allocation up to a power of
-        two: +64 % for a 1024 x 9984 expert matrix). Zeros when first allocated (unfilled with ``filled=False``,
-        for a caller that writes all of it); after that it holds what was written to it."""
+        ``exp_avg_sq``, ``staging``) of p's group: one flat allocation per group and kind (pinned on CUDA, at its
+        exact size: ``pinned.host_empty``), as the planner counts them. Zeros when first allocated (unfilled with
+        ``filled=False``, for a caller that writes all of it); after that it holds what was written to it."""
         if p not in self._where:
             self._locate()
         if p not in self._where:  # a param of no group this optimizer was given
-            return torch.zeros(p.shape, dtype=torch.float32, device=HOST, pin_memory=self.pin)
+            return pinned.host_empty(p.shape, torch.float32, self.pin).zero_()
         group, offset = self._where[p]
         flat = self._flat.get((id(group), kind))
         if flat is None:
             numel = sum(q.numel() for q in group["params"])
             flat = self._flat[(id(group), kind)] = (
-                torch.zeros(numel, dtype=torch.float32, device=HOST, pin_memory=self.pin) if filled
+                pinned.host_empty(numel, torch.float32, self.pin).zero_() if filled
                 else ds_state.unfilled(numel, HOST, pin_memory=self.pin))
         return flat[offset:offset + p.numel()].view(p.shape)
 

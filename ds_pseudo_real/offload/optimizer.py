@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 
 from ds_pseudo_real import ds_state
+from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.offload.gradients import OwnGradients
 from ds_pseudo_real.offload.host_adam import BATCH_NUMEL, HOST, HOST_PARAMS, HostAdam
 from ds_pseudo_real.offload.planner import PlacementLevel
@@ -51,7 +52,8 @@ _SCHEDULED_KEYS = ("lr", "betas")  # what LR/momentum schedulers set on param_gr
 
 def _fused_device_adam(params: List[torch.nn.Parameter], adamw_mode: bool, defaults: Dict[str, Any]):
     """torch's fused CUDA Adam(W). Not apex's FusedAdam: apex counts steps in the param group, which this wrapper
-    rebuilds per step and DeepSpeed does not checkpoint, so a resume would restart its bias correction."""
+    rebuilds per step and DeepSpeed does not checkpoint, so a resume would restart its bias correction. torch's
+    always corrects the bias: ``bias_correction=False`` is refused with device groups on CUDA (``__init__``)."""
     hyper = {k: defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
     cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     return cls(params, fused=True, **hyper)
@@ -79,6 +81,12 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         groups = [dict(g) for g in param_groups]
         for g in groups:
             g["level"] = PlacementLevel(g.get("level", PlacementLevel.DEVICE)).value
+        device = device or rank_device()
+        device_groups = [g.get("placement") for g in groups if g["level"] == PlacementLevel.DEVICE.value]
+        if not bias_correction and device_groups and device.type == "cuda":
+            raise ValueError(f"optimizer.params.bias_correction: got False, but granular_offload steps the groups at "
+                             f"'device' on CUDA with torch's fused Adam, which always corrects the bias (groups: "
+                             f"{device_groups}); accepted: true (the default), or no group at 'device'")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, placement=None, level=PlacementLevel.DEVICE.value)
         super().__init__(groups, defaults)
@@ -280,10 +288,13 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load states saved by any plan with the same host_params groups: the current plan's group keys are kept,
-        host states go back to the host (torch moves every state onto its param's device) and the host masters are
-        re-read from the params (own groups' bf16 masters: restored as saved)."""
+        the states of the groups this plan steps on the host go straight into their host buffers (torch's
+        ``Optimizer.load_state_dict`` would first move every state onto its param's device: all the state the plan
+        keeps off the device, there at once), and the host masters are re-read from the params (own groups' bf16
+        masters: restored as saved)."""
         state_dict = dict(state_dict)
         own = state_dict.pop(OWN_GROUPS_KEY, [])
+        host_states = self._take_host_states(state_dict)
         layout = [(g["placement"], [p.numel() for p in g["params"]]) for g in self.own_param_groups]
         if [(g["placement"], g["numels"]) for g in own] != layout:
             raise ValueError(f"optimizer checkpoint: its granular offload host_params groups "
@@ -297,6 +308,8 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                 group.pop(key, None)
             group.update(keep)
             for p in group["params"]:
+                if p in host_states:
+                    self.state[p] = host_states.pop(p)
                 if self.state.get(p):
                     self._place_state(self.state[p], p, group["level"])
         self.refresh_host_masters()
@@ -311,6 +324,19 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         states = list(self.state.values()) + list(self.own_state.values())
         steps = [st["step"] for st in states if isinstance(st.get("step"), int)]
         self.host.replay_kernel_steps(max(steps, default=0), self.param_groups[0])
+
+    def _take_host_states(self, state_dict: Dict[str, Any]) -> Dict[torch.Tensor, Dict[str, Any]]:
+        """Take out of ``state_dict`` (its ``state`` replaced by a copy) the saved states of the params this plan
+        steps on the host, by param (torch 2.x's layout: states keyed by the params' positions in the saved
+        ``param_groups``), each a new dict of the saved tensors as they are."""
+        state = dict(state_dict["state"])
+        state_dict["state"] = state
+        taken = {}
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            for p, saved_id in zip(group["params"], saved["params"]):
+                if saved_id in state and not self._steps_on_device(p, group["level"]):
+                    taken[p] = dict(state.pop(saved_id))
+        return taken
 
     @staticmethod
     def _steps_on_device(p: torch.Tensor, level: str) -> bool:

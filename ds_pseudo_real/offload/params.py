@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ds_pseudo_real.device import rank_device
+from ds_pseudo_real.offload.pinned import host_empty
 from ds_pseudo_real.sharing import get_layer_list
 
 
@@ -111,9 +112,9 @@ def in_one_allocation(params: Sequence[nn.Parameter], pinned: bool) -> bool:
 
 
 def one_allocation(params: Sequence[nn.Parameter], dtype: torch.dtype, pin_memory: bool) -> List[torch.Tensor]:
-    """One host allocation (pinned when ``pin_memory``) of ``dtype`` holding ``params`` one after the other: a
-    view shaped like each param, in order (the layout :func:`in_one_allocation` recognises)."""
-    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device="cpu", pin_memory=pin_memory)
+    """One host allocation (pinned when ``pin_memory``, at its exact size) of ``dtype`` holding ``params`` one after
+    the other: a view shaped like each param, in order (the layout :func:`in_one_allocation` recognises)."""
+    flat = host_empty(sum(p.numel() for p in params), dtype, pin_memory)
     views, offset = [], 0
     for p in params:
         views.append(flat[offset:offset + p.numel()].view(p.shape))
@@ -354,7 +355,7 @@ class HostParamStore:
             return out
         pin = self._host[t].is_pinned()
         if out.device.type != "cpu" or out.is_pinned() != pin:
-            host = torch.empty(out.shape, dtype=out.dtype, device="cpu", pin_memory=pin)
+            host = host_empty(out.shape, out.dtype, pin)
             host.copy_(out)
             out = host
         self._host[t] = out
@@ -363,9 +364,8 @@ class HostParamStore:
 
     def _pack(self, params: List[nn.Parameter]) -> None:
         """Give a layer's host params one host allocation per dtype, each param a view of it, holding the param's
-        current value: the pinned allocator rounds every allocation up to a power of two, so one per parameter
-        would hold far more than the planner counts. Params already packed with another layer (a pseudo model's
-        shared set) are left as they are."""
+        current value: the allocations the planner counts, not one per parameter. Params already packed with another
+        layer (a pseudo model's shared set) are left as they are."""
         for dtype in dict.fromkeys(p.dtype for p in params):
             todo = [p for p in params if p.dtype == dtype and p not in self._packed]
             if not todo:
@@ -406,8 +406,7 @@ class HostParamStore:
             host = self._host[p]
             if p.data.data_ptr() != host.data_ptr() and id(p.data.untyped_storage()) not in ours:
                 if host.dtype != p.dtype:
-                    host = self._host[p] = torch.empty(p.shape, dtype=p.dtype, device="cpu",
-                                                       pin_memory=host.is_pinned())
+                    host = self._host[p] = host_empty(p.shape, p.dtype, host.is_pinned())
                     self._packed.discard(p)
                 host.copy_(p.detach())
                 p.data = host

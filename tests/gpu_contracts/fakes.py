@@ -26,8 +26,10 @@ Or without pytest: ``with FakeGpuRank(local_rank=1, device_count=2) as rank: ...
     raises as CUDA does (a 0-dim host tensor is a scalar and allowed); copies across devices are allowed. Autograd
     works (the backward's ops are checked and placed the same way), so gradients of a model on a fake device are on
     it.
-  - ``pin_memory=True`` allocations work and report ``is_pinned()``. Assigning ``.grad`` checks the devices as torch
-    does (autograd itself may leave a gradient on another device than its tensor's data, as on CUDA).
+  - ``pin_memory=True`` allocations work and report ``is_pinned()``; ``torch.cuda.cudart()`` registers host memory
+    (:class:`FakeCudart`, :attr:`FakeGpuRank.cudart`: what is registered, every call). Assigning ``.grad`` checks
+    the devices as torch does (autograd itself may leave a gradient on another device than its tensor's data, as on
+    CUDA).
   - Streams and events record their device. Every op touching a device tensor is logged as :class:`Work` on the
     stream it runs on as CUDA would run it: the current stream *of the tensor's device*, whichever stream
     ``torch.cuda.stream(s)`` made current (for ``s`` of another device that is not ``s``).
@@ -104,6 +106,30 @@ class Allocation:
     device: torch.device
     nbytes: int
     shape: tuple
+
+
+class FakeCudart:
+    """``torch.cuda.cudart()``'s host-memory registration: ``registered`` maps each address registered and not yet
+    unregistered to its bytes, ``calls`` lists every call in order; every call succeeds (0, cudaSuccess)."""
+
+    def __init__(self):
+        self.registered: Dict[int, int] = {}
+        self.calls: List[tuple] = []
+
+    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
+        self.calls.append(("register", address, size, flags))
+        self.registered[address] = size
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.calls.append(("unregister", address))
+        del self.registered[address]
+        return 0
+
+    def covers(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory is registered (CUDA reports it pinned)."""
+        address = _storage(tensor).data_ptr()
+        return any(start <= address < start + size for start, size in self.registered.items())
 
 
 class FakeStream:
@@ -233,7 +259,7 @@ class _Mode(TorchDispatchMode):
             kwargs["pin_memory"] = False
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         if name == "aten::is_pinned":
-            return bool(getattr(_storage(args[0]), _PINNED_TAG, False))
+            return bool(getattr(_storage(args[0]), _PINNED_TAG, False)) or self.rank.cudart.covers(args[0])
         if name == "aten::_pin_memory":
             out = args[0].clone()
             _tag(out, CPU, pinned=True)
@@ -283,6 +309,7 @@ class FakeGpuRank:
         self.allocations: List[Allocation] = []  # every storage made on a fake GPU, in order
         self._storages: List[weakref.ref] = []
         self.nccl: Optional["FakeNccl"] = None
+        self.cudart = FakeCudart()
         self._undo: List[Any] = []
         self.current_streams: Dict[int, FakeStream] = {}
         self._defaults: Dict[int, FakeStream] = {}
@@ -378,7 +405,7 @@ class FakeGpuRank:
             "Stream": FakeStream, "Event": FakeEvent, "stream": _StreamContext, "device": _DeviceContext,
             "current_stream": self.current_stream, "default_stream": self.default_stream,
             "set_stream": self.set_stream, "synchronize": self._synchronize,
-            "is_bf16_supported": lambda *a, **k: True,
+            "is_bf16_supported": lambda *a, **k: True, "cudart": lambda: self.cudart,
             "get_device_capability": lambda device=None: (9, 0), "get_device_name": lambda device=None: "fake GPU",
         }.items():
             self._patch(cuda, name, value)

@@ -74,3 +74,37 @@ def test_flags_out_of_range_are_refused_with_what_is_accepted(tmp_path, flags, m
     proc, _ = run_benchmark(tmp_path, *SMALL, *flags)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_check_fails_on_an_arm_that_did_not_run_bytes_off_the_plan_an_unskipped_inf_or_losses_apart():
+    """``--check`` (what the GPU check runs): on the CPU the losses must be equal; where the arms round differently
+    (on CUDA, or bf16 with gradient accumulation) within ``LOSS_TOLERANCE`` of the loss."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.offload import check_failures, parse_args, report
+
+    def results(granular_losses, **granular):
+        none = {"arm": "none", "losses": [5.0, 4.0], "step_s_median": 1.0, "peak_device_bytes": None,
+                "skipped_steps": 1}
+        return [none, {"arm": "granular", "losses": granular_losses, "step_s_median": 1.0, "peak_device_bytes": None,
+                       "skipped_steps": 1, "plan": {"measured": {k: 1 for k in (*HELD, "moved_per_step")},
+                                                    "predicted": {k: 1 for k in (*HELD, "moved_per_step")}},
+                       **granular}]
+
+    def failures(runs, flags=(), cuda=False):
+        args = parse_args([*SMALL, *flags])
+        return check_failures(runs, report(runs, args.skip_step), args, cuda)
+
+    assert failures(results([5.0, 4.0])) == []
+    assert failures(results([5.0, 4.0 + 1e-6])) == ["granular losses differ from no offload's by 1e-06 (allowed 0)"]
+    assert failures(results([5.0, 4.0 + 1e-6]), cuda=True) == []  # 1e-4 x 5.0 on CUDA in fp32
+    bf16_accumulated = ["--bf16", "--gradient-accumulation", "2"]
+    assert failures(results([5.0, 4.0 + 8e-5]), bf16_accumulated) == []  # 1e-3 x 5.0
+    assert failures(results([5.0, 4.1]), bf16_accumulated) == [
+        "granular losses differ from no offload's by 0.1 (allowed 0.005)"]
+    broken = results([5.0, 4.0], skipped_steps=0)
+    broken[1]["plan"]["measured"]["optimizer_host"] = 2
+    assert failures(broken, ["--skip-step", "1"]) == [
+        "the granular optimizer's held or moved bytes differ from the plan's",
+        "the inf gradient of step 1 was not skipped by every arm: {'none': 1, 'granular': 0}"]
+    assert failures([results([5.0])[0], {"arm": "granular", "error": "exit 1: ['PlanError']"}]) == [
+        "arm granular: exit 1: ['PlanError']"]

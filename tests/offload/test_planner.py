@@ -151,33 +151,34 @@ def test_planner_keeps_one_layers_experts_in_deepspeeds_optimizer_outside_fp32_z
     assert zero0.prefetch_buffer_bytes == 2 * 4 * 1100
 
 
-def test_pinned_host_buffers_round_up_to_powers_of_two():
-    assert [pinned_bytes(b) for b in (0, 1, 4000, 4096, 4097)] == [0, 1, 4096, 4096, 8192]
+def test_pinned_host_buffers_take_whole_pages():
+    assert [pinned_bytes(b) for b in (0, 1, 4000, 4096, 4097)] == [0, 4096, 4096, 4096, 8192]
     pinned = TrainingSetup("bf16", 2, 4, pinned_host=True)
-    # host_params outside DeepSpeed: bf16 params 2002 -> 2048; fp32 master, gradient buffer and two moments
-    # 4004 -> 4096 each
+    # host_params outside DeepSpeed: bf16 params 2002 -> one page; fp32 master, gradient buffer and two moments
+    # 4004 -> one page each
     assert host_buffers(1001, L.HOST_PARAMS, pinned) == (2002, 4004, 4004, 4004, 4004)
-    # host_optimizer: master, gradient buffer and moments of the partition, 4 * 252 = 1008 -> 1024 each
+    # host_optimizer: master, gradient buffer and moments of the partition, 4 * 252 = 1008 -> one page each
     assert host_buffers(1001, L.HOST_OPTIMIZER, pinned) == (1008,) * 4
     groups = [GroupSize("layer0", 1001, 0), GroupSize("layer1", 1001, 1), GroupSize("other", 10)]
     plan = place(groups, {"layer0": L.HOST_OPTIMIZER, "layer1": L.HOST_PARAMS}, pinned)
     assert plan.host_bytes == 4 * 1008 + 2002 + 4 * 4004 == 22050
-    assert plan.host_allocated_bytes == 4 * 1024 + 2048 + 4 * 4096 == 22528
+    assert plan.host_allocated_bytes == 9 * 4096 == 36864
     unpinned = place(groups, {"layer0": L.HOST_OPTIMIZER, "layer1": L.HOST_PARAMS}, TrainingSetup("bf16", 2, 4))
     assert unpinned.host_allocated_bytes == unpinned.host_bytes == 22050
-    assert "host per rank 22.00 KiB (22528 B): tensors 21.53 KiB, pinned rounding +478 B (+2.2 %)" in \
+    assert "host per rank 36.00 KiB (36864 B): tensors 21.53 KiB, pinned in whole pages +14.47 KiB (+67.18 %)" in \
         describe_plan(plan)
 
 
-def test_pinned_rounding_of_an_m6_expert_group_is_31_percent():
-    # 20 experts of 2 x 1024 x 9984 per rank; bf16 at host_params outside DeepSpeed: params 2n B -> 2**30,
-    # master, gradient buffer and moments 4n B -> 2**31 each: 9 GiB for 18n = 6.86 GiB of tensors
+def test_pinned_m6_expert_group_takes_its_tensor_bytes():
+    # 20 experts of 2 x 1024 x 9984 per rank; bf16 at host_params outside DeepSpeed: params 2n B, master, gradient
+    # buffer and moments 4n B each, every one a whole number of pages already: 18n. torch's pinned allocator would
+    # have rounded them to 2**30 and 2**31 (+31.3 %).
     n = 20 * 2 * 1024 * 9984
     setup = TrainingSetup("bf16", 1, 512, pinned_host=True)
     plan = place([GroupSize("layer0.experts", n, 0, dp_size=1), GroupSize("layer1.experts", 1, 1, dp_size=1)],
                  {"layer0.experts": L.HOST_PARAMS}, setup)  # one expert group stays in DeepSpeed's optimizer
-    assert (plan.host_bytes, plan.host_allocated_bytes) == (18 * n, 2**30 + 4 * 2**31)
-    assert round(100 * (plan.host_allocated_bytes / plan.host_bytes - 1), 1) == 31.3
+    assert (plan.host_bytes, plan.host_allocated_bytes) == (18 * n, 18 * n)
+    assert round(100 * ((2**30 + 4 * 2**31) / (18 * n) - 1), 1) == 31.3
 
 
 def test_reduce_bucket_in_the_backward_flat_gradients_in_the_step():
@@ -216,14 +217,15 @@ def test_one_allocator_pool_per_side_stream():
 
 
 def test_a_placement_above_host_memory_is_refused_naming_the_key():
-    # layer3 at host_optimizer, fp32 ZeRO 0: master, gradient buffer and moments of 4000 B, pinned 4096 each
+    # layer3 at host_optimizer, fp32 ZeRO 0: master, gradient buffer and moments of 4000 B, pinned one page each
     pinned = TrainingSetup("fp32", 0, 1, pinned_host=True, host_memory_bytes=16000)
     with pytest.raises(HostMemoryError) as info:
         place(GROUPS, {"layer3": L.HOST_OPTIMIZER}, pinned)
-    assert str(info.value).startswith(
+    assert str(info.value) == (
         "granular_offload.host_memory: the placement needs 16.00 KiB (16384 bytes) of host memory per rank (pinned: "
-        "each buffer rounded up to a power of two), above host_memory 15.62 KiB (16000 bytes); accepted:")
-    assert "or pin_memory false (no rounding)" in str(info.value)
+        "each buffer in whole pages), above host_memory 15.62 KiB (16000 bytes); accepted: a placement within it: "
+        "fewer groups off the device (a larger device_memory, or levels nearer the device), more data-parallel "
+        "ranks, a larger host_memory")
     assert info.value.plan.host_allocated_bytes == 16384
     unpinned = TrainingSetup("fp32", 0, 1, host_memory_bytes=16000)
     assert place(GROUPS, {"layer3": L.HOST_OPTIMIZER}, unpinned).host_allocated_bytes == 16000
@@ -231,19 +233,19 @@ def test_a_placement_above_host_memory_is_refused_naming_the_key():
 
 def test_planner_stays_within_host_memory_or_says_which_limit_stops_it():
     # all on the device 4 * 16000 + 8000 = 72000; a budget of 60000 needs two groups at host_optimizer (8000 freed
-    # by a layer, 4000 by other); each layer takes 4 * 4096 pinned host bytes, other 4 * 2048
+    # by a layer, 4000 by other); each layer takes 4 pinned pages of 4096 bytes, other 4 too
     setup = TrainingSetup("fp32", 0, 1, pinned_host=True, host_memory_bytes=40000)
     plan = plan_placement(GROUPS, setup, budget_bytes=60000, max_level=L.HOST_OPTIMIZER)
     assert plan.levels() == {"layer0": "device", "layer1": "device", "layer2": "host_optimizer",
                              "layer3": "host_optimizer", "other": "device"}
     assert (plan.device_bytes, plan.host_allocated_bytes) == (56000, 32768)
-    # 20000: after layer3 (16384), a second layer would need 32768 and other 16384 + 8192 = 24576
+    # 20000: after layer3 (16384), a second layer or other would need 16384 more
     with pytest.raises(HostMemoryError) as info:
         plan_placement(GROUPS, TrainingSetup("fp32", 0, 1, pinned_host=True, host_memory_bytes=20000),
                        budget_bytes=60000, max_level=L.HOST_OPTIMIZER)
     assert ("nothing fits both the device budget of 58.59 KiB and host_memory 19.53 KiB (20000 bytes) per rank: "
             "the furthest placement within host_memory needs 62.50 KiB on the device, 3.91 KiB (4000 bytes) missing, "
-            "and offloading one more group needs at least 24.00 KiB (24576 bytes) of host memory") in str(info.value)
+            "and offloading one more group needs at least 32.00 KiB (32768 bytes) of host memory") in str(info.value)
     assert info.value.plan.levels()["layer3"] == "host_optimizer"
 
 

@@ -47,3 +47,4 @@ def test_a_release_outside_the_tested_range_is_refused(monkeypatch, package, ver
     with pytest.raises(RuntimeError, match=f"granular_offload was written against {package} >={low},<{high}; "
                                            f"found {package} {version}"):
         ds_pseudo_real.initialize(model=tiny_gpt(), config=cfg)
+
