@@ -241,7 +241,7 @@ def test_moments_deepspeed_cannot_give_stop_the_delink_instead_of_resetting(monk
     def unreadable(param, key):
         raise KeyError(key)
 
-    monkeypatch.setattr(ds_pseudo_real.ds_state, "safe_get_full_optimizer_state", unreadable)
+    monkeypatch.setattr(ds_pseudo_real.ds_state.moments, "safe_get_full_optimizer_state", unreadable)
     loss = engine(*fixed_batch(1))
     engine.backward(loss)
     with pytest.raises(RuntimeError, match=r"cannot read the Adam moments of tok_emb.weight from DeepSpeed, whose "
@@ -302,8 +302,8 @@ def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, of
     def none_for_idle(engine, param, name="", device=None):
         return None if name.endswith("idle") else full_moments(engine, param, name, device)
 
-    monkeypatch.setattr(ds_state, "unfilled", poisoned)
-    monkeypatch.setattr(ds_state, "full_moments", none_for_idle)
+    monkeypatch.setattr(ds_state.moments, "unfilled", poisoned)
+    monkeypatch.setattr(ds_state.weights, "full_moments", none_for_idle)  # what gather_full_state reads
     model = tiny_gpt()
     for layer in model.layers:  # in no forward: a zero gradient, and no moments from the optimizer above
         layer.register_parameter("idle", nn.Parameter(torch.zeros(7)))
@@ -327,11 +327,11 @@ def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, of
     assert engine.stage == "real"
     real = dict(engine.module.named_parameters())
     carried = [n for n in real if not n.endswith("idle")]
-    stepped = [tensor for _, tensor in ds_state._stepped_tensors(engine.engine)]
+    stepped = [tensor for _, tensor in ds_state.stepped_tensors(engine.engine)]
     assert sum(unfilled) == 2 * sum(t.numel() for t in stepped)  # every moment, the idle ones' and padding too
     if stage and "granular_offload" not in (offload or {}):
         assert sum(t.numel() for t in stepped) > sum(p.numel() for p in real.values())  # the flats are padded
-    states = [ds_state._optimizer_state(engine.engine, tensor) for tensor in stepped]
+    states = [ds_state.optimizer_state(engine.engine, tensor) for tensor in stepped]
     assert all(not state[k].isnan().any() for state in states for k in ds_state.MOMENT_KEYS)  # all written
     assert engine.last_transition["moments_carried"] == len(carried)
     for name, param in real.items():
@@ -356,13 +356,13 @@ def test_zero0_moments_of_a_shared_parameter_are_written_into_all_its_layers_tog
     """The carry writes the moments of one shared parameter into the states of all the layers it starts at once
     (fill_copies: each piece read once), one shared parameter at a time, and the values are the policy's."""
     written = []
-    fill_copies = ds_state.fill_copies
+    fill_copies = ds_state.moments.fill_copies
 
     def recording(targets, source):
         written.append((len(targets), tuple(source.shape)))
         fill_copies(targets, source)
 
-    monkeypatch.setattr(ds_state, "fill_copies", recording)
+    monkeypatch.setattr(ds_state.moments, "fill_copies", recording)
     engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(0, "fp32", "scale", switch=1))
     engine.backward(engine(*fixed_batch(0)))
     engine.step()

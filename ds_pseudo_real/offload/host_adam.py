@@ -119,7 +119,7 @@ class HostAdam:
             numel = sum(q.numel() for q in group["params"])
             flat = self._flat[(id(group), kind)] = (
                 pinned.host_empty(numel, torch.float32, self.pin).zero_() if filled
-                else ds_state.unfilled(numel, HOST, pin_memory=self.pin))
+                else ds_state.moments.unfilled(numel, HOST, pin_memory=self.pin))
         return flat[offset:offset + p.numel()].view(p.shape)
 
     def allocated_bytes(self, group: Dict[str, Any], kind: str) -> int:

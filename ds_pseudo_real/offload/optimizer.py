@@ -158,8 +158,9 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                 state.clear()
                 state["step"] = step
                 for key in ("exp_avg", "exp_avg_sq"):
-                    state[key] = ds_state.unfilled(p.shape, p.device) if self._steps_on_device(p, group["level"]) \
-                        else self.host.buffer(p, key, filled=False)
+                    state[key] = (ds_state.moments.unfilled(p.shape, p.device)
+                                  if self._steps_on_device(p, group["level"])
+                                  else self.host.buffer(p, key, filled=False))
                     unwritten.add(state[key])
                 self._place_state(state, p, group["level"])
         self.host.replay_kernel_steps(step, self.param_groups[0])

@@ -76,7 +76,7 @@ def run(stage, rank):
                for p in g["params"]]
     host = {optimizer.host_params.host_tensor(p).untyped_storage().data_ptr() for p in fetched}  # one per layer
     params = {p.data.untyped_storage().data_ptr() for p in model.parameters()}
-    ds_state.HOST_BROADCAST_CHUNK_BYTES = CHUNK
+    ds_state.host_broadcast.HOST_BROADCAST_CHUNK_BYTES = CHUNK
     with FakeNccl() as fake:
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
         attach_to_engine(engine)

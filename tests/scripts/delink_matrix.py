@@ -100,8 +100,8 @@ class BeforeDelink(TrainingCallback):
 
 
 def nan_filled(shape, device, pin_memory=False):
-    """``ds_state.unfilled`` poisoned: the memory the delink leaves unfilled is NaN, so an element it never writes
-    shows."""
+    """``ds_state.moments.unfilled`` poisoned: the memory the delink leaves unfilled is NaN, so an element it never
+    writes shows."""
     return torch.full(torch.Size([shape]) if isinstance(shape, int) else shape, float("nan"), device=device)
 
 
@@ -142,7 +142,7 @@ def run_case(stage, dtype, policy, torch_adam=True):
                 torch.equal(moments[k], expected[k]) for k in expected
             )
             # every element of every moment this rank holds is written or zeroed: its padding too
-            states = [ds_state._optimizer_state(engine.engine, t) for _, t in ds_state._stepped_tensors(engine.engine)]
+            states = [ds_state.optimizer_state(engine.engine, t) for _, t in ds_state.stepped_tensors(engine.engine)]
             moments_written = not any(state[k].isnan().any() for state in states for k in ds_state.MOMENT_KEYS
                                       if k in state)
     result = {
@@ -196,7 +196,7 @@ if __name__ == "__main__":
     import ds_pseudo_real.controller  # noqa: F401
 
     if "--poison-unfilled" in sys.argv[1:]:  # the memory the delink leaves unfilled is NaN: an element unwritten shows
-        ds_state.unfilled = nan_filled
+        ds_state.moments.unfilled = nan_filled
 
     args = sys.argv[1:]
     stages = [int(s) for s in args[args.index("--stages") + 1].split(",")] if "--stages" in args else (0, 1, 2, 3)

@@ -81,7 +81,7 @@ def train(cfg: dict, d_model: int, steps: int = 4):
 
         counters.append(mock.patch.object(Stage3, method, counted))
     recorder = Recorder(swaps)
-    with mock.patch.object(ds_state, "unfilled", nan_filled), counters[0], counters[1]:
+    with mock.patch.object(ds_state.moments, "unfilled", nan_filled), counters[0], counters[1]:
         engine, *_ = ds_pseudo_real.initialize(model=gpt_with_idle_parameters(d_model), config=cfg,
                                                callbacks=[recorder])
         recorder.engine = engine

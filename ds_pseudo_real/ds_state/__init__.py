@@ -1,0 +1,45 @@
+"""Every use of DeepSpeed's internals by the plugin (written against DeepSpeed 0.19.8), one module per concern:
+
+    guard                 the supported releases, and DEEPSPEED_INTERNALS: the one table of the internals each feature
+                          uses, checked on every engine as it is built
+    layout                where an engine keeps its torch optimizer, each parameter's fp32 master and its state
+    zero3                 ZeRO-3's flat sub-groups: a parameter's partition in them, the sub-groups swapped to NVMe
+    moments               Adam's moments and step counters read, seeded and written; the CPU Adam kernel replay
+    weights               full fp32 weights read and written; the whole model's weights and moments gathered
+    nvme_checkpoint       the optimizer state a ZeRO-3 checkpoint holds on NVMe, restored after a load and converted
+    checkpoint_integrity  checkpoint files checksummed as DeepSpeed writes them; the state fingerprint of a load
+    process_groups        the data-parallel and expert groups DeepSpeed reduces gradients over
+    accounting            the bytes a rank holds, the parameters over all ranks
+    engine_hooks          granular offload's gradients in the engine's norm, overflow check, zero_grad and reduction
+    host_broadcast        the one class-level patch: the model broadcast sends host tensors through the device
+    monitors              one monitor per run, rewound on resume, a failed write a warning
+    retire                a module its engine no longer trains, cut loose from that engine
+
+Each module imports only modules above it in this list. The names below are re-exported for callers
+(``ds_state.full_moments``). A replacement (a test's monkeypatch) goes where the name is looked up: in the module
+that defines it, or in the one that imported it (``ds_state.weights.full_moments`` is what ``gather_full_state``
+calls). Setting a constant here changes nothing: set it on its module (``ds_state.host_broadcast``).
+"""
+from __future__ import annotations
+
+from .guard import (
+    DEEPSPEED_INTERNALS, OPTIMIZER_AS_GIVEN, SUPPORTED_VERSIONS, check_cpu_adam, check_internals, check_versions,
+)
+from .layout import basic_optimizer, optimizer_state, stepped_tensors
+from .zero3 import held_in_memory, swapped_sub_groups
+from .moments import (
+    MOMENT_KEYS, UnwrittenMoments, full_moments, replay_cpu_adam_steps, replay_kernel_steps, seed_optimizer_state,
+    set_full_moments_of_copies, step_counters, unfilled, write_swapped_moments,
+)
+from .weights import full_fp32_param, gather_full_state, set_full_fp32_param, set_full_fp32_params
+from .nvme_checkpoint import (
+    regather_persistent_parameters, restore_swapped_optimizer_state, swapped_state_files,
+    zero3_fp32_weights_with_swapped_masters,
+)
+from .checkpoint_integrity import checksummed_writes, state_fingerprint
+from .process_groups import data_parallel_group, expert_data_parallel_group
+from .accounting import memory_report, total_parameter_numel
+from .engine_hooks import before_gradient_reduction, drop_gradients_with, include_in_gradient_norm, steps_when_built
+from .host_broadcast import HOST_BROADCAST_CHUNK_BYTES, route_host_broadcasts, unroute_host_broadcasts
+from .monitors import MONITOR_SECTIONS, rewind_monitors, warn_on_failed_monitor_writes, without_monitors
+from .retire import retire_module

