@@ -15,23 +15,22 @@
     monitors              one monitor per run, rewound on resume, a failed write a warning
     retire                a module its engine no longer trains, cut loose from that engine
 
-Each module imports only modules above it in this list. The names below are re-exported for callers
-(``ds_state.full_moments``). A replacement (a test's monkeypatch) goes where the name is looked up: in the module
-that defines it, or in the one that imported it (``ds_state.weights.full_moments`` is what ``gather_full_state``
-calls). Setting a constant here changes nothing: set it on its module (``ds_state.host_broadcast``).
+Each module imports only modules above it in this list. The names used outside the package are re-exported
+below (``ds_state.full_moments``). A replacement (a test's monkeypatch) goes where the name is looked up: in the
+module that defines it, or in the one that imported it (``ds_state.weights.full_moments`` is what
+``gather_full_state`` calls). Setting a constant here changes nothing: set it on its module
+(``ds_state.host_broadcast.HOST_BROADCAST_CHUNK_BYTES``).
 """
 from __future__ import annotations
 
-from .guard import (
-    DEEPSPEED_INTERNALS, OPTIMIZER_AS_GIVEN, SUPPORTED_VERSIONS, check_cpu_adam, check_internals, check_versions,
-)
+from .guard import DEEPSPEED_INTERNALS, SUPPORTED_VERSIONS, check_cpu_adam, check_internals, check_versions
 from .layout import basic_optimizer, optimizer_state, stepped_tensors
 from .zero3 import held_in_memory, swapped_sub_groups
 from .moments import (
     MOMENT_KEYS, UnwrittenMoments, full_moments, replay_cpu_adam_steps, replay_kernel_steps, seed_optimizer_state,
     set_full_moments_of_copies, step_counters, unfilled, write_swapped_moments,
 )
-from .weights import full_fp32_param, gather_full_state, set_full_fp32_param, set_full_fp32_params
+from .weights import full_fp32_param, gather_full_state, set_full_fp32_params
 from .nvme_checkpoint import (
     regather_persistent_parameters, restore_swapped_optimizer_state, swapped_state_files,
     zero3_fp32_weights_with_swapped_masters,

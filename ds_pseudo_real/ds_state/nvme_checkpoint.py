@@ -54,11 +54,11 @@ def restore_swapped_optimizer_state(engine, checkpoint: str, saved: Dict[str, Li
     ZeRO checkpoint file and only copies the saved swap files into the swap folder. So the sub-groups it keeps in
     memory (under 1 MiB) get neither their fp32 masters nor their moments; the swapped ones get their masters, and
     only where the files' names (``saved``, the saving engine's :func:`swapped_state_files`) are this engine's, but
-    never their moments (a new engine has no state to read them into). Each sub-group is restored here, a swapped one read
-    in once and written back once: the fp32 master and the Adam moments from the ZeRO checkpoint file (held in memory)
-    or the saved swap files (swapped), the step counter from the ZeRO checkpoint file, and the working partition
-    from the master. ``moments`` False (a load without the optimizer state): the masters and working partitions
-    only, the optimizer left without state as a new one is."""
+    never their moments (a new engine has no state to read them into). Each sub-group is restored here, a swapped
+    one read in once and written back once: the fp32 master and the Adam moments from the ZeRO checkpoint file (held
+    in memory) or the saved swap files (swapped), the step counter from the ZeRO checkpoint file, and the working
+    partition from the master. ``moments`` False (a load without the optimizer state): the masters and working
+    partitions only, the optimizer left without state as a new one is."""
     from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 
     optimizer = engine.optimizer

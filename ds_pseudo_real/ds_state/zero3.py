@@ -77,7 +77,7 @@ def set_zero3_partition(engine, param: torch.nn.Parameter, value: torch.Tensor, 
     """Write this rank's partition of the full ``value`` of a ZeRO-3 ``param`` into its fp32 master (``key`` None) or
     its moment ``key``, in its sub-group, reading only that part of ``value``; returns the part written. A
     parameter no rank count divides has padded partitions: the last ranks get the elements there are, and the rest
-    of the partition is left as it is (padding: a moment's is zeroed by :meth:`~ds_pseudo_real.ds_state.moments.UnwrittenMoments.zero_rest`).
+    of the partition is left as it is (padding: a moment's is zeroed by ``moments.UnwrittenMoments.zero_rest``).
     DeepSpeed's ``safe_set_full_*`` (0.19.8) fail there, reading past the end of ``value``. A sub-group swapped to
     NVMe and not made resident by the caller is read in and written back around the write."""
     optimizer = engine.optimizer
