@@ -194,7 +194,7 @@ def test_a_second_run_on_the_same_output_folder_is_refused_and_the_first_loses_n
     stopped = int(re.search(r"saved checkpoint at step (\d+) on signal SIGTERM", log).group(1))
     folder = out / "checkpoints"
     tags = sorted((c.tag for c in ckpt.list_checkpoints(str(folder))), key=lambda t: int(t[len("global_step"):]))
-    assert tags == [f"global_step{s}" for s in range(5, stopped, 5)] + [f"global_step{stopped}"] * (stopped % 5 > 0)
+    assert tags == [f"global_step{s}" for s in range(5, stopped + 1, 5)] + [f"global_step{stopped}"] * (stopped % 5 > 0)
     for tag in tags:
         assert ckpt.verify(str(folder), tag).ok, tag
         assert ckpt.read_sidecar(str(folder), tag)["written_by"]["pid"] == first.pid
