@@ -16,7 +16,7 @@ Per rank, after one pseudo step:
   CPU run they all live on the host). The peak is the kernel's high-water mark, reset just before the delink;
 - ``freed``: weak references to the pseudo engine and its optimizer are dead after the delink and ``gc.collect()``,
   and the module given to ``initialize`` is dead or holds no storage;
-- ``model_bytes_per_parameter``: the RSS the built real model adds (measured around the controller's build of it,
+- ``model_bytes_per_parameter``: the RSS the built real model adds (measured around the stage builder's build of it,
   before ``deepspeed.initialize``) per real parameter this rank builds, and ``model_storage_per_parameter`` the
   bytes its parameter tensors hold (this rank's partitions under ZeRO-3): what every rank holds on the host for the
   model before DeepSpeed moves it to the device (4 in fp32, 2 in bf16 when it is built in the working dtype; the
@@ -123,7 +123,7 @@ def worker(model: str, zero: int, policy: str, size: str, dtype: str = "fp32", g
     caller_module = weakref.ref(module)
     del module
     gc.collect()
-    marks = measure_build(type(engine))
+    marks = measure_build()
     before = rss_bytes()
     peak_ok = reset_peak_rss()
     report = engine.delink()
@@ -180,11 +180,13 @@ def worker(model: str, zero: int, policy: str, size: str, dtype: str = "fp32", g
     return result
 
 
-def measure_build(controller_class) -> Dict[str, int]:
-    """Wrap the controller's model build (``materialize``, ZeRO-3's ``_materialize_partitioned``) and engine build
-    (``_initialize``) to record the RSS the built model adds and the RSS high-water mark once the engine is built;
-    and the gather and release of the pseudo engine, to record the bytes gathered and the RSS once it is released."""
-    from ds_pseudo_real import controller, ds_state
+def measure_build() -> Dict[str, int]:
+    """Wrap the stage builder's model build (``materialize``, ZeRO-3's ``_materialize_partitioned``) and engine
+    build (``_new_engine``) to record the RSS the built model adds and the RSS high-water mark once the engine is
+    built; and the gather and release of the pseudo engine, to record the bytes gathered and the RSS once it is
+    released."""
+    from ds_pseudo_real import ds_state, stages
+    from ds_pseudo_real.stages import StageBuilder
 
     marks: Dict[str, int] = {}
 
@@ -197,7 +199,7 @@ def measure_build(controller_class) -> Dict[str, int]:
             return out
         return wrapper
 
-    def initialize(self, *args, **kwargs):
+    def new_engine(self, *args, **kwargs):
         out = built(self, *args, **kwargs)
         marks["built_peak"] = rss_bytes("VmHWM")
         return out
@@ -213,13 +215,13 @@ def measure_build(controller_class) -> Dict[str, int]:
         marks["released"] = rss_bytes()
         return out
 
-    built, release = controller_class._initialize, controller_class._release_engine
+    built, release = StageBuilder._new_engine, StageBuilder.release
     gathered = ds_state.gather_full_state
     ds_state.gather_full_state = gather_full_state
-    controller_class._release_engine = release_engine
-    controller.materialize = rss_added(controller.materialize)
-    controller_class._materialize_partitioned = rss_added(controller_class._materialize_partitioned)
-    controller_class._initialize = initialize
+    StageBuilder.release = release_engine
+    stages.materialize = rss_added(stages.materialize)
+    StageBuilder._materialize_partitioned = rss_added(StageBuilder._materialize_partitioned)
+    StageBuilder._new_engine = new_engine
     return marks
 
 
@@ -271,7 +273,7 @@ def m6_10t_plan_only(world: int = 512, expert_parallel: int = 512, ranks_per_nod
     counts and the planner's byte model (no run). Every rank gathers its pseudo model's full fp32 weights and both
     Adam moments (12 bytes per pseudo parameter: its experts, the shared layer, the embedding). The real stage does
     not fit on the GPUs, so it trains through granular offload (bf16, ZeRO 1: the planner's placement), and the
-    delink keeps the gathered state on the host (``controller.GATHERED_ON``) beside the real stage's host state
+    delink keeps the gathered state on the host (``stages.GATHERED_ON``) beside the real stage's host state
     it builds. The real model it builds: in fp32 on the host (the first delink), in the working dtype bf16 on the
     host (2 bytes per real parameter), or, as now, where it trains (``ds_pseudo_real.device.rank_device``; the
     host_params layers in their host allocations, counted in the real stage's host bytes). The goal: the real
@@ -327,9 +329,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.worker:
         model, zero, policy = args.worker
         if args.no_trim:
-            from ds_pseudo_real import controller
+            from ds_pseudo_real import stages
 
-            controller.return_freed_host_memory = lambda: None
+            stages.return_freed_host_memory = lambda: None
         result = worker(model, int(zero), policy, args.size, args.dtype, args.granular)
         print("RESULT " + json.dumps(result), flush=True)
         return 0

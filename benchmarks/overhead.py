@@ -133,7 +133,7 @@ def one_delink(args, cfg, corpus) -> Dict:
     import torch
 
     import ds_pseudo_real
-    from ds_pseudo_real.controller import materialize
+    from ds_pseudo_real.stages import materialize
     from ds_pseudo_real.models import GPT
 
     # the pseudo model is built tied on the meta device and only its unique parameters get storage

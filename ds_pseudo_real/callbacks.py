@@ -1,7 +1,8 @@
 """The callback protocol of the engine-owning controller, after Hugging Face's ``TrainerCallback``.
 
-Owns: the training state and control dataclasses and the callback base class. Callbacks decide (set flags on
-``TrainingControl``); the controller acts. Nothing here touches DeepSpeed.
+Owns: the training state and control dataclasses, the callback base class and the run state the controller shares
+with its checkpoint I/O (``RunState``). Callbacks decide (set flags on ``TrainingControl``); the controller acts.
+Nothing here touches DeepSpeed.
 """
 from __future__ import annotations
 
@@ -70,3 +71,12 @@ class CallbackList:
     def load_state_dict(self, states: List[Dict[str, Any]]) -> None:
         for callback, state in zip(self.callbacks, states):
             callback.load_state_dict(state)
+
+
+@dataclass
+class RunState:
+    """What the controller shares with its checkpoint I/O: the training state (which loading a checkpoint replaces)
+    and the callbacks (whose state every checkpoint keeps). The controller owns it."""
+
+    state: TrainingState
+    callbacks: CallbackList

@@ -1,14 +1,16 @@
 """Sharing and delinking of a model's layer list, in plain torch.
 
 Owns: finding the layer list by dotted path, grouping layers, tying a group's parameters to one set,
-delinking them into independent copies, writing one shared value into its copies, and remapping state dicts
+delinking them into independent copies, writing one shared value into its copies, copying a model with new
+parameters (a meta skeleton), naming the parameter a stage's parameter starts from, and remapping state dicts
 between the compact (pseudo) and the full (real) key layout. Must not touch DeepSpeed or Megatron: both build on
 these functions.
 """
 from __future__ import annotations
 
+import copy
 import re
-from typing import Dict, Iterable, List, Mapping, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -98,6 +100,23 @@ def parameter_like(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
     new = nn.Parameter(data, requires_grad=param.requires_grad)
     new.__dict__.update(param.__dict__)
     return new
+
+
+def copy_with_parameters(model: nn.Module, make: Callable[[nn.Parameter], nn.Parameter]) -> nn.Module:
+    """Deep copy of ``model`` whose parameters are ``make(param)`` (ties kept; buffers copied).
+
+    Pre-seeding ``deepcopy``'s memo keeps Parameter attributes that ``Parameter.__deepcopy__`` drops and never
+    copies the parameters' data.
+    """
+    memo: Dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = make(param)
+    return copy.deepcopy(model, memo)
+
+
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters are on the meta device (ties kept, buffers real): a building plan."""
+    return copy_with_parameters(model, lambda p: parameter_like(p, torch.empty_like(p, device="meta")))
 
 
 def fill_copies(targets: Sequence[torch.Tensor], source: torch.Tensor) -> None:
@@ -200,6 +219,23 @@ def layer_index_of(key: str, path: str) -> int | None:
     return int(match["index"]) if match else None
 
 
+def source_parameter(name: str, path: str, old: Tuple[int, int], new: Tuple[int, int]) -> Tuple[str, int]:
+    """The parameter of the ``old`` stage's model (layers, parameter groups) that ``name``, a parameter of the
+    ``new`` stage's model, starts from, and how many of the new sets split each old one: a group's first layer
+    when the sets split (their number), the same layer of the stacked copy when a shallow model grows (1)."""
+    index = layer_index_of(name, path)
+    if index is None:
+        return name, 1
+    (depth, groups), (new_depth, new_groups) = old, new
+    if new_depth > depth:
+        source, members = index % depth, 1
+    else:
+        source, members = group_leader(index, depth, groups), new_groups // groups
+    prefix = f"{path}.{index}."
+    position = name.index(prefix)
+    return name[:position] + f"{path}.{source}." + name[position + len(prefix):], members
+
+
 def unique_parameters(modules: Iterable[nn.Module]) -> List[nn.Parameter]:
     """Parameters of ``modules`` without repeats, in first-seen order."""
     seen, out = set(), []
@@ -234,10 +270,13 @@ __all__: Sequence[str] = [
     "apply_sharing",
     "delink_layers",
     "parameter_like",
+    "copy_with_parameters",
+    "meta_skeleton",
     "count_shared_groups",
     "compact_state_dict",
     "expand_state_dict",
     "layer_index_of",
+    "source_parameter",
     "unique_parameters",
     "parameter_count",
     "member_counts",

@@ -11,6 +11,7 @@ import ds_pseudo_real
 from ds_pseudo_real import checkpoint as ckpt
 from ds_pseudo_real import run_lock
 from ds_pseudo_real.convert import convert
+from ds_pseudo_real.stages import parameter_numel
 from conftest import run_two_ranks
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -147,7 +148,7 @@ def test_converted_checkpoint_gives_the_pseudo_logits_on_another_zero_stage(tmp_
     real = make(stage=target_stage, seed=9)
     real.load_checkpoint(str(tmp_path / "real"))
     assert real.stage == "real" and real.global_steps == SWITCH - 1
-    assert ds_pseudo_real.controller.parameter_numel(real.module) == sum(p.numel() for p in tiny_gpt().parameters())
+    assert parameter_numel(real.module) == sum(p.numel() for p in tiny_gpt().parameters())
     assert torch.equal(logits(real), expected)
     # The LR schedule position is carried: WarmupLR at step 3 of 5.
     assert real.optimizer.param_groups[0]["lr"] == pytest.approx(pseudo_lr_at(SWITCH - 1))

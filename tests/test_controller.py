@@ -253,7 +253,7 @@ def test_moments_deepspeed_cannot_give_stop_the_delink_instead_of_resetting(monk
 def test_the_model_is_built_on_the_device_the_engine_trains_on(monkeypatch):
     """The delink builds the real model where DeepSpeed's engine keeps it (this rank's accelerator device, from
     LOCAL_RANK), so the host never holds it; on a CPU run, on the CPU."""
-    from ds_pseudo_real import controller, device
+    from ds_pseudo_real import device, sharing, stages
 
     assert device.rank_device() == torch.device("cpu")
 
@@ -266,9 +266,9 @@ def test_the_model_is_built_on_the_device_the_engine_trains_on(monkeypatch):
     assert device.rank_device() == torch.device("cuda", 3)
     # materialize makes each parameter on the device it is given (meta stands in for one this machine lacks),
     # ties kept, and fills it there
-    skeleton = controller.meta_skeleton(tiny_gpt())
+    skeleton = sharing.meta_skeleton(tiny_gpt())
     weights = {name: torch.ones(p.shape) for name, p in tiny_gpt().named_parameters()}
-    built = controller.materialize(skeleton, weights, torch.bfloat16, torch.device("meta"))
+    built = stages.materialize(skeleton, weights, torch.bfloat16, torch.device("meta"))
     assert {(p.device.type, p.dtype) for p in built.parameters()} == {("meta", torch.bfloat16)}
     assert len(list(built.parameters())) == len(list(tiny_gpt().parameters()))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import ds_pseudo_real
-from ds_pseudo_real import controller, ds_state
+from ds_pseudo_real import ds_state, stages
 from ds_pseudo_real.sharing import layer_index_of
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -39,13 +39,13 @@ def delink(noise, monkeypatch):
     the real fp32 masters after it and the most host tensor bytes alive while a parameter of the real model was
     being filled."""
     filled = []
-    fill = controller.fill_copies
+    fill = stages.fill_copies
 
     def measured(targets, source):
         filled.append(live_cpu_tensor_bytes())
         fill(targets, source)
 
-    monkeypatch.setattr(controller, "fill_copies", measured)
+    monkeypatch.setattr(stages, "fill_copies", measured)
     engine_ref = [None]
     before = BeforeDelink(engine_ref, fixed_batch(9), masters=True)
     cfg = config(1, "fp32", "copy", switch=1)
@@ -92,12 +92,12 @@ def test_the_noise_is_made_where_the_gathered_values_are_and_only_for_the_copies
     is (meta stands in for a device this machine lacks); a group's first layer and parameters outside the layers
     keep the shared tensor itself."""
     shared, head = torch.empty(4, 4, device="meta"), torch.empty(3, device="meta")
-    starts = controller.Starts({"layers.0.fc.weight": shared, "layers.1.fc.weight": shared, "head.bias": head},
+    starts = stages.Starts({"layers.0.fc.weight": shared, "layers.1.fc.weight": shared, "head.bias": head},
                                NOISE, "layers")
     assert starts["layers.0.fc.weight"] is shared and starts["head.bias"] is head
     noisy = starts["layers.1.fc.weight"]
     assert noisy is not shared and noisy.device.type == "meta" and noisy.shape == (4, 4)
     assert list(starts) == ["layers.0.fc.weight", "layers.1.fc.weight", "head.bias"]
     assert starts.made_on_read("layers.1.fc.weight") and not starts.made_on_read("layers.0.fc.weight")
-    assert not controller.Starts(dict(starts._shared), 0.0, "layers").made_on_read("layers.1.fc.weight")
+    assert not stages.Starts(dict(starts._shared), 0.0, "layers").made_on_read("layers.1.fc.weight")
 

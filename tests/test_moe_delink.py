@@ -10,6 +10,7 @@ from torch import nn
 
 import ds_pseudo_real
 from ds_pseudo_real.moe.deepspeed_layer import ExpertPrototypingMoE
+from ds_pseudo_real.stages import parameter_numel
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from delink_matrix import BeforeDelink, eval_loss, fixed_batch  # noqa: E402
@@ -74,7 +75,7 @@ def test_moe_model_delinks_into_per_layer_experts():
     assert first is not second and not torch.equal(first, second)  # trained apart after the switch
     assert getattr(second, "allreduce", True) is False  # still marked as an expert parameter
     assert layers[0].moe.deepspeed_moe.gate.wg.weight is not layers[1].moe.deepspeed_moe.gate.wg.weight
-    assert ds_pseudo_real.controller.parameter_numel(engine.module) == full
+    assert parameter_numel(engine.module) == full
     assert engine.last_transition["moments_carried"] == len(list(engine.module.parameters()))
     assert losses[2] < losses[1] + 0.05
     engine.engine.destroy()

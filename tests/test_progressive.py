@@ -12,6 +12,7 @@ import ds_pseudo_real
 from ds_pseudo_real import ds_state
 from ds_pseudo_real.config import ConfigError, parse_pseudo_to_real
 from ds_pseudo_real.sharing import count_shared_groups
+from ds_pseudo_real.stages import parameter_numel
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from delink_matrix import BeforeDelink, eval_loss, fixed_batch, tiny_gpt  # noqa: E402
@@ -104,7 +105,7 @@ def test_progressive_schedule_is_exact_at_every_transition(stage):
             seen[report["step"]] = {
                 "loss": eval_loss(engine, probe_batch), "report": report,
                 "groups": count_shared_groups(engine.module, "layers"),
-                "numel": ds_pseudo_real.controller.parameter_numel(engine.module),
+                "numel": parameter_numel(engine.module),
                 "moments": {name: ds_state.full_moments(engine.engine, named[name])
                             for name in ("layers.0.fc.weight", "layers.1.fc.weight", "layers.2.fc.weight",
                                          "layers.3.fc.weight") if name in named},
@@ -241,12 +242,12 @@ def test_a_shallow_model_grows_by_stacking_copies_of_itself(stage):
     ref[0] = engine
     layer = sum(p.numel() for p in tiny_gpt().layers[0].parameters())
     rest = sum(p.numel() for p in tiny_gpt().parameters()) - 4 * layer
-    assert len(engine.module.layers) == 2 and ds_pseudo_real.controller.parameter_numel(engine.module) == rest + 2 * layer
+    assert len(engine.module.layers) == 2 and parameter_numel(engine.module) == rest + 2 * layer
     shallow = train(engine, 3)
     report = engine.last_transition
     assert (report["step"], report["layers_before"], report["layers_after"]) == (3, 2, 4)
     assert engine.stage == "real" and len(engine.module.layers) == 4 and count_shared_groups(engine.module, "layers") == 4
-    assert ds_pseudo_real.controller.parameter_numel(engine.module) == rest + 4 * layer
+    assert parameter_numel(engine.module) == rest + 4 * layer
     before = snap.seen["weights"]
     named = dict(engine.module.named_parameters())
     for name, param in named.items():  # G_stack's operator: layer i starts from layer i mod 2

@@ -151,7 +151,7 @@ def test_the_real_model_is_built_reading_each_shared_value_once_for_all_its_laye
     """materialize fills the layers that start from one shared tensor together (fill_copies), not one layer after
     another: the same values, each piece of the shared tensor read once for its four layers."""
     from ds_pseudo_real import sharing
-    from ds_pseudo_real.controller import materialize
+    from ds_pseudo_real.stages import materialize
 
     monkeypatch.setattr(sharing, "FILL_PIECE_BYTES", 256)
     with torch.device("meta"):

@@ -14,6 +14,8 @@ import ds_pseudo_real
 from ds_pseudo_real import ds_state
 from ds_pseudo_real.callbacks import TrainingCallback
 from ds_pseudo_real.models import GPT, GPTConfig
+from ds_pseudo_real.sharing import source_parameter
+from ds_pseudo_real.stages import parameter_numel
 
 SWITCH = 3
 PROBE = "layers.{}.fc.weight"
@@ -110,7 +112,7 @@ def masters_carried(engine, pseudo_masters):
     old, new = (engine.num_layers, 1), (engine.num_layers, engine.num_layers)
     return [name for name, p in engine.module.named_parameters()
             if not torch.equal(ds_state.full_fp32_param(engine.engine, p),
-                               pseudo_masters[engine._source_name(name, old, new)[0]])]
+                               pseudo_masters[source_parameter(name, engine.layer_path, old, new)[0]])]
 
 
 def run_case(stage, dtype, policy, torch_adam=True):
@@ -150,7 +152,7 @@ def run_case(stage, dtype, policy, torch_adam=True):
         "moments_ok": moments_ok, "moments_written": moments_written, "masters_differ": masters_differ, "adam_step": None if step is None else float(step), "pseudo_adam_step": before.seen["adam_step"],
         "global_steps": engine.global_steps, "final_stage": engine.stage, "losses": losses,
         "optimizer": type(ds_state.basic_optimizer(engine.engine)).__name__,
-        "params_after": ds_pseudo_real.controller.parameter_numel(engine.module),
+        "params_after": parameter_numel(engine.module),
         # where the real model's parameters (this rank's ZeRO-3 partitions) are, and where the engine trains
         "devices": sorted({getattr(p, "ds_tensor", p).device.type for p in engine.module.parameters()}),
         "engine_device": torch.device(engine.device).type,

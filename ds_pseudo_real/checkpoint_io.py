@@ -1,0 +1,338 @@
+"""Checkpoints of the run through its DeepSpeed engine: save and publish, verify and select, restore, convert hand-off.
+
+Owns: what a checkpoint of the current stage holds and what resuming from one restores and checks. Must not build
+engines itself (the stage builder does) nor lay out folders (``checkpoint`` does, knowing nothing of DeepSpeed).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from . import checkpoint as ckpt
+from . import ds_state, run_lock
+from .callbacks import PSEUDO, REAL, RunState, TrainingState
+from .config import CheckpointOptions, ConfigError
+from .rank0 import is_rank0, log_rank0
+from .stages import StageBuilder
+
+CLIENT_KEY = ckpt.CLIENT_KEY
+
+
+def sync_lr_with_scheduler(scheduler, optimizer) -> None:
+    """Set the optimizer's LRs to what ``scheduler`` gives at its current position (after load_state_dict)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+    elif hasattr(scheduler, "last_batch_iteration"):
+        scheduler.step(scheduler.last_batch_iteration)
+
+
+def restore_swapped_state(engine, folder: str, side: Dict[str, Any], optimizer_loaded: bool) -> None:
+    """Under ZeRO-3 with ``offload_optimizer: nvme``, restore the fp32 masters and working weights, and (when the
+    optimizer state is loaded) the moments and step counters, that DeepSpeed's load leaves out
+    (:func:`~ds_pseudo_real.ds_state.restore_swapped_optimizer_state`), from the checkpoint's files named as the
+    sidecar records. A failure on any rank is a :class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank."""
+    saved = side.get("swapped_state_files")
+    if saved is None or ds_state.swapped_state_files(engine) is None:
+        return
+    rank, world = ckpt.rank_and_world()
+    failure = None
+    try:
+        if len(saved) != world or saved[rank] is None:
+            raise RuntimeError(f"the checkpoint names the swap files of {len(saved)} ranks; this run has {world}")
+        ds_state.restore_swapped_optimizer_state(engine, folder, saved[rank], moments=optimizer_loaded)
+    except (OSError, RuntimeError, KeyError) as error:
+        failure = f"{type(error).__name__}: {error}"
+    reports = ckpt.gather(failure)
+    ranks = [r for r, report in enumerate(reports) if report]
+    if ranks:
+        raise ckpt.CheckpointError(
+            f"could not restore the optimizer state swapped to NVMe from checkpoint {folder} (rank "
+            f"{', '.join(map(str, ranks))}): {reports[ranks[0]]}")
+    ds_state.regather_persistent_parameters(engine)
+
+
+def check_state_restored(engine, folder: str, side: Dict[str, Any], optimizer_loaded: bool) -> None:
+    """Collective: raise :class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank when DeepSpeed's load
+    left any rank with other weights, or (when it loaded the optimizer state) other fp32 masters or moments, than
+    that rank saved (its :func:`~ds_pseudo_real.ds_state.state_fingerprint` in the sidecar), instead of training
+    on from them. Checkpoints saved without fingerprints are not checked."""
+    saved = side.get("state")
+    rank, world = ckpt.rank_and_world()
+    if saved is not None and len(saved) != world:  # ZeRO 0 on another world size: every rank holds all
+        saved = [saved[0]] * world if engine.zero_optimization_stage() == 0 else None
+    expected = saved[rank] if saved is not None else None
+    found = ds_state.state_fingerprint(engine) if expected is not None else None
+    differ = []
+    for part in ("weights", "optimizer") if optimizer_loaded else ("weights",):
+        if found is not None and expected.get(part) is not None and any(
+                abs(a - b) > 1e-9 * max(1.0, abs(b)) for a, b in zip(found[part], expected[part])):
+            differ.append(part)
+    reports = ckpt.gather(differ)
+    ranks = [r for r, parts in enumerate(reports) if parts]
+    if ranks:
+        names = {"weights": "weights", "optimizer": "optimizer state (fp32 masters, moments)"}
+        what = " and ".join(names[p] for p in names if any(p in parts for parts in reports))
+        swapped = " (ZeRO-3 with offload_optimizer nvme: the swapped sub-groups were read from the checkpoint's "\
+                  "offloaded_tensors files)" if ds_state.swapped_sub_groups(engine) else ""
+        here = (f"; on rank {rank}: " + ", ".join(f"{p} sum and sum of squares {found[p]}, saved {expected[p]}"
+                                                  for p in differ)) if differ else ""
+        raise ckpt.CheckpointError(
+            f"DeepSpeed loaded checkpoint {folder}, but the {what} of rank {', '.join(map(str, ranks))} are not "
+            f"the ones saved{swapped}{here}; training on would silently start from another state")
+
+
+class CheckpointIO:
+    """Saves and resumes the run: the engine the ``stages`` builder holds (which it asks for a checkpoint's stage),
+    and the training state and callbacks of ``run`` (which a load replaces). ``options``: the plugin's keys of the
+    ``checkpoint`` section; ``pseudo_to_real``: whether the run has a pseudo stage (``pseudo_to_real.enabled``).
+
+    ``run_id`` is rank 0's id for this controller (which also names its temporary folders) until it resumes from
+    a checkpoint, whose run it then goes on as.
+    """
+
+    def __init__(self, stages: StageBuilder, run: RunState, options: CheckpointOptions, *, pseudo_to_real: bool):
+        self._stages = stages
+        self._run = run
+        self._options = options
+        self._pseudo_to_real = pseudo_to_real
+        self._prepared_dirs: set = set()
+        self._writer = ckpt.gather(uuid.uuid4().hex[:12])[0]
+        self.run_id = self._writer
+
+    # ---- saving ----------------------------------------------------------------------------------------------
+    def _plugin_state(self) -> Dict[str, Any]:
+        return {"state": self._run.state.to_dict(), "callbacks": self._run.callbacks.state_dict()}
+
+    def _sidecar(self, kind: str = "deepspeed") -> Dict[str, Any]:
+        stages, engine = self._stages, self._stages.engine
+        return {
+            "kind": kind,
+            "stage": self._run.state.stage,
+            "global_step": engine.global_steps,
+            "layers": stages.layer_path,
+            "num_layers": stages.num_layers,
+            "groups": stages.groups,
+            "depth": stages.depth,
+            "zero_stage": engine.zero_optimization_stage(),
+            "world_size": ckpt.rank_and_world()[1],
+            "run_id": self.run_id,
+        }
+
+    def _prepare_dir(self, folder: str) -> None:
+        """Once per folder and run, before the first save or load there: rank 0 creates it, takes its lock for the
+        life of the process (:func:`~ds_pseudo_real.checkpoint.claim`: another run holding it is a CheckpointError on
+        every rank) and removes what crashed saves left (after a barrier, so that no rank is still writing)."""
+        if folder in self._prepared_dirs:
+            return
+        ckpt.barrier()
+        ckpt.claim(folder)
+        if is_rank0():
+            ckpt.remove_stale(folder)
+        ckpt.barrier()
+        self._prepared_dirs.add(folder)
+
+    def save(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict] = None) -> str:
+        """See :meth:`~ds_pseudo_real.controller.PseudoToRealController.save_checkpoint`."""
+        engine = self._stages.engine
+        tag = tag or f"global_step{engine.global_steps}"
+        client = dict(client_state or {})
+        client[CLIENT_KEY] = self._plugin_state()
+        self._prepare_dir(save_dir)
+        refusal = (run_lock.taken_over(save_dir) or ckpt.foreign_checkpoint(save_dir, tag, self.run_id)
+                   if is_rank0() else None)
+        refusal = ckpt.gather(refusal)[0]
+        if refusal is not None:
+            raise ckpt.CheckpointError(f"checkpoint {os.path.join(save_dir, tag)} was not saved: {refusal}")
+        staged = os.path.join(save_dir, ckpt.partial_tag(tag, self._writer))
+        written, failure = {}, None
+        try:
+            with ds_state.checksummed_writes(engine, staged) as written:
+                engine.save_checkpoint(save_dir, tag=os.path.basename(staged), client_state=client,
+                                       save_latest=False)
+        except (OSError, RuntimeError) as error:
+            failure = error
+            ckpt.barrier()  # the closing barrier of DeepSpeed's save_checkpoint, which this rank skipped
+        self._raise_if_save_failed(save_dir, tag, failure)
+        every = ckpt.gather(written)
+        fingerprints = ckpt.gather(ds_state.state_fingerprint(engine))  # compared after a load, per rank
+        swap_files = ckpt.gather(ds_state.swapped_state_files(engine))  # NVMe: each rank's saved files
+        if is_rank0():
+            try:
+                merged = {name: entry for part in every for name, entry in part.items()}
+                swapped = {"swapped_state_files": swap_files} if any(f is not None for f in swap_files) else {}
+                sidecar = {**self._sidecar(), "written_by": run_lock.holder_record(save_dir), "state": fingerprints,
+                           **swapped}
+                ckpt.publish(save_dir, tag, sidecar, merged, self._writer)
+            except OSError as error:
+                failure = error
+        self._raise_if_save_failed(save_dir, tag, failure)
+        if is_rank0():
+            ckpt.prune(save_dir, self._options.keep_last, self.run_id)
+        ckpt.barrier()
+        return os.path.join(save_dir, tag)
+
+    def _raise_if_save_failed(self, save_dir: str, tag: str, failure: Optional[BaseException]) -> None:
+        """Collective: every rank raises when any rank's part of the save failed; rank 0 removes the partial folder."""
+        reports = ckpt.gather(None if failure is None else f"{type(failure).__name__}: {failure}")
+        ranks = [rank for rank, report in enumerate(reports) if report]
+        if not ranks:
+            return
+        staged = os.path.join(save_dir, ckpt.partial_tag(tag, self._writer))
+        if is_rank0():
+            shutil.rmtree(staged, ignore_errors=True)
+        ckpt.barrier()
+        raise ckpt.CheckpointError(
+            f"could not save checkpoint {os.path.join(save_dir, tag)} (rank {', '.join(map(str, ranks))}): "
+            f"{reports[ranks[0]]}; the partial folder {staged} was removed and the run's state is intact; "
+            f"{ckpt.last_good(save_dir)}"
+        ) from failure
+
+    # ---- resuming --------------------------------------------------------------------------------------------
+    def load(self, load_dir: Optional[str], tag: Optional[str] = None, *, verify: Optional[str] = None,
+             **kwargs) -> Tuple[Optional[str], Dict]:
+        """See :meth:`~ds_pseudo_real.controller.PseudoToRealController.load_checkpoint`."""
+        mode = verify or self._options.verify
+        if tag is None:
+            if load_dir is None:
+                raise ValueError("load_checkpoint: give load_dir, or tag as the path of a checkpoint folder")
+            self._prepare_dir(load_dir)
+            chosen = ckpt.select_resume(load_dir, mode)
+            if chosen is None:
+                self.rewind_monitors()  # the run starts here: what an earlier one logged after this step goes
+                return None, {}
+            tag, verdict = chosen
+        else:
+            load_dir, tag = ckpt.resolve(load_dir, tag)
+            verdict = ckpt.verify(load_dir, tag, mode)
+            if not verdict.ok:
+                raise ckpt.CheckpointError(
+                    f"checkpoint {verdict.folder} cannot be loaded: {'; '.join(verdict.problems)}"
+                )
+        log_rank0(verdict.summary())
+        side = ckpt.read_sidecar(load_dir, tag)
+        self._check_compatible(load_dir, tag, side)
+        if side["kind"] == "converted":
+            return self._load_converted(load_dir, tag, side)
+        stages = self._stages
+        num_layers = stages.num_layers
+        stage = (num_layers,) * 2 if side["stage"] == REAL else (side.get("depth", num_layers), side["groups"])
+        if stage != (stages.depth, stages.groups):  # a later stage's checkpoint: that stage's model first
+            stages.release()
+            stages.build(*stage, None, self._run.state)
+        loading = dict(kwargs)
+        if side.get("swapped_state_files") and ds_state.swapped_state_files(stages.engine) is not None:
+            # DeepSpeed loads ZeRO-3 weights without the optimizer state through zero_to_fp32, which cannot read
+            # sub-groups swapped to NVMe; under NVMe its full load reads no optimizer state anyway (it only copies
+            # the swap files): restore_swapped_state puts back the weights, and the moments only if asked
+            loading["load_optimizer_states"] = True
+        try:
+            path, client = stages.engine.load_checkpoint(load_dir, tag, **loading)
+        except Exception as error:
+            raise ckpt.CheckpointError(
+                f"DeepSpeed could not load checkpoint {os.path.join(load_dir, tag)}: {type(error).__name__}: {error}; "
+                f"{'it verified' if verdict.ok and not verdict.legacy and mode != 'none' else 'it was not verified'}"
+                f" (checkpoint.verify: {mode}); resume from another one with --resume-from TAG|PATH: "
+                f"{[c.tag for c in ckpt.list_checkpoints(load_dir) if c.tag != tag]}"
+            ) from error
+        if path is None:
+            raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {load_dir}/{tag}")
+        optimizer_loaded = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
+        engine = stages.engine
+        restore_swapped_state(engine, os.path.join(load_dir, tag), side, optimizer_loaded)
+        if optimizer_loaded:
+            ds_state.replay_cpu_adam_steps(engine)
+        check_state_restored(engine, os.path.join(load_dir, tag), side, optimizer_loaded)
+        client = dict(client or {})
+        self._restore_plugin_state(client.pop(CLIENT_KEY))
+        self.rewind_monitors()
+        self.run_id = ckpt.run_of(side)  # resumed: this run goes on as the checkpoint's
+        log_rank0(f"resumed from {os.path.join(load_dir, tag)} at step {engine.global_steps} "
+                  f"({self._run.state.stage} stage)")
+        return path, client
+
+    def rewind_monitors(self) -> None:
+        """See :meth:`~ds_pseudo_real.controller.PseudoToRealController.rewind_monitors`."""
+        ds_state.rewind_monitors(self._stages.engine)
+
+    def _check_compatible(self, load_dir: str, tag: str, side: Dict[str, Any]) -> None:
+        """Refuse, before DeepSpeed reads anything, a checkpoint this run cannot load, saying what to do instead."""
+        stages = self._stages
+        where = f"checkpoint {os.path.join(load_dir, tag)}"
+        if side["num_layers"] != stages.num_layers or side["layers"] != stages.layer_path:
+            raise ConfigError(
+                f"{where} has {side['num_layers']} layers at {side['layers']!r}; "
+                f"this model has {stages.num_layers} at {stages.layer_path!r}"
+            )
+        converted = f"{os.path.normpath(load_dir)}_converted"
+        if side["stage"] == PSEUDO and self._run.state.stage == REAL:
+            raise ConfigError(
+                f"{where} is a pseudo-stage checkpoint but this run is in the real stage "
+                f"(pseudo_to_real.enabled is false?); expand it to the real model with `ds-pseudo-real convert "
+                f"--to-real --input {load_dir} --tag {tag} --output {converted}` and resume from "
+                f"{os.path.join(converted, tag)}"
+            )
+        saved = (side.get("depth", stages.num_layers), side["groups"])
+        if side["stage"] == PSEUDO and saved not in stages.stages:
+            groups = [groups for _, groups in stages.stages]
+            raise ConfigError(f"{where} has {saved[1]} parameter groups of {saved[0]} layers; this run's stages have "
+                              f"{groups[:-1] if groups[-1] == stages.num_layers else groups}"
+                              f" (pseudo_to_real.groups or schedule)")
+        if side["kind"] == "converted":
+            return
+        world = ckpt.rank_and_world()[1]
+        zero = stages.engine.zero_optimization_stage()
+        saved_world, saved_zero = side.get("world_size", world), side.get("zero_stage", zero)
+        if saved_zero != zero or (zero > 0 and saved_world != world):
+            raise ckpt.CheckpointError(
+                f"{where} was saved by {saved_world} ranks at ZeRO stage {saved_zero}; this run has {world} ranks at "
+                f"ZeRO stage {zero}, and DeepSpeed's ZeRO optimizer state only loads on the layout that saved it. "
+                f"Convert it, then resume from the converted one, which keeps the weights, steps, LR schedule, "
+                f"trigger state and its stage (a pseudo-stage one goes on in the pseudo stage and delinks where "
+                f"configured); Adam moments start at zero:\n  ds-pseudo-real convert --input {load_dir} --tag {tag} "
+                f"--output {converted}\nand run with --resume-from {os.path.join(converted, tag)} "
+                f"(or go back to {saved_world} ranks at ZeRO stage {saved_zero})"
+            )
+
+    def _restore_plugin_state(self, plugin: Dict[str, Any]) -> None:
+        state = self._run.state = TrainingState.from_dict(plugin["state"])
+        state.groups = self._stages.groups  # checkpoints before progressive schedules do not record it
+        if state.stage == REAL and self._pseudo_to_real:
+            state.transitions_done = len(self._stages.stages) - 1
+        self._run.callbacks.load_state_dict(plugin["callbacks"])
+
+    def _load_converted(self, load_dir: str, tag: str, side: Dict[str, Any]) -> Tuple[str, Dict]:
+        """A checkpoint of ``ds-pseudo-real convert``: the model of its stage built from its fp32 weights, its steps,
+        LR schedule position and plugin state restored; Adam moments start at zero."""
+        folder = os.path.join(load_dir, tag)
+        weights = torch.load(os.path.join(folder, "model_fp32.pt"), map_location="cpu", weights_only=True)
+        trainer = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        stages = self._stages
+        stages.release()
+        if side["stage"] == REAL:
+            stages.build(stages.num_layers, stages.num_layers, weights, self._run.state)
+        else:
+            stages.build(side.get("depth", stages.num_layers), side["groups"], weights, self._run.state)
+        engine = stages.engine
+        for key in ("global_steps", "global_samples", "skipped_steps"):
+            setattr(engine, key, trainer[key])
+        engine.micro_steps = trainer["global_steps"] * engine.gradient_accumulation_steps()
+        if trainer.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
+            sync_lr_with_scheduler(engine.lr_scheduler, engine.optimizer)
+        client = dict(trainer.get("client_state") or {})
+        plugin = client.pop(CLIENT_KEY, None)
+        if plugin is not None:
+            self._restore_plugin_state(plugin)
+        if side["stage"] == REAL:
+            self._run.state.stage = REAL
+            self._run.state.switch_step = self._run.state.switch_step or engine.global_steps
+        self.rewind_monitors()
+        self.run_id = ckpt.run_of(side)
+        log_rank0(f"loaded converted {side['stage']}-stage checkpoint {folder} at step {engine.global_steps}; Adam "
+                  f"moments start at zero")
+        return folder, client

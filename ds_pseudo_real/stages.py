@@ -1,0 +1,525 @@
+"""Each stage's model and DeepSpeed engine, and the delink that turns one stage's engine into the next one's.
+
+Owns: building a stage's model from the meta skeleton where it trains, its engine, releasing it, and the delink's
+phases and report. Must not touch checkpoints, callbacks or the training loop; DeepSpeed internals stay in ``ds_state``.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import sys
+import time
+import zlib
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import checkpoint as ckpt
+from . import ds_state
+from .callbacks import PSEUDO, REAL, TrainingState
+from .config import ConfigError, OptimizerStatePolicy, PseudoToRealConfig
+from .device import rank_device
+from .rank0 import log_rank0
+from .sharing import (
+    apply_sharing,
+    copy_with_parameters,
+    delink_layers,
+    fill_copies,
+    get_layer_list,
+    layer_index_of,
+    meta_skeleton,
+    parameter_like,
+    source_parameter,
+    truncate_layers,
+)
+from .transition import member_moments
+
+RETIRED_MODULE = ("this module was the pseudo model, which the delink replaced by the real one; train, evaluate and "
+                  "save through the engine ds_pseudo_real.initialize returned, and read the model as engine.module")
+
+# Where the delink keeps the gathered fp32 pseudo weights and moments while it builds the next stage: on the host.
+# They are full (unpartitioned) on every rank whatever the ZeRO stage, 12 bytes per pseudo parameter: on the device
+# they would add that to the real stage's peak there (more than the real stage itself holds per rank under ZeRO 3 on
+# enough ranks). The gather moves them off the device a parameter at a time, as DeepSpeed hands each over, and the
+# build reads them back a piece at a time (``fill_copies``); the host holds them, as it does when the job offloads.
+GATHERED_ON = torch.device("cpu")
+
+
+def working_dtype(ds_config: Dict[str, Any]) -> torch.dtype:
+    """The dtype DeepSpeed trains the model's parameters in: bf16 or fp16 when enabled, else fp32."""
+    if (ds_config.get("bf16") or {}).get("enabled"):
+        return torch.bfloat16
+    return torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32
+
+
+def parameter_numel(model: nn.Module) -> int:
+    """Distinct parameter elements; ZeRO-3 partitioned parameters report their full size."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+# ---- a stage's model: the meta skeleton given storage where it trains ------------------------------------------
+def _parameter_names(skeleton: nn.Module, weights: Optional[Mapping[str, torch.Tensor]]) -> Dict[int, str]:
+    """{id: name} of the skeleton's parameters (a tie under its first name), every one of them in ``weights``."""
+    names = {id(param): name for name, param in skeleton.named_parameters()}
+    missing = [name for name in names.values() if weights is not None and name not in weights]
+    if missing:
+        raise KeyError(f"no weights for real-model parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    return names
+
+
+class Starts(Mapping):
+    """The values the next stage's parameters start from, by name: views of the gathered pseudo weights (many names
+    to one tensor), and with ``noise`` > 0 (``pseudo_to_real.delink_noise``) for every copy but each group's first
+    layer the shared value plus Gaussian noise of ``noise`` x its standard deviation, drawn on the CPU from a
+    generator keyed by the name (the same on every rank and device). A noisy value is made when it is read, for the
+    caller to write and drop: at most one is held at a time, never every copy at once (the real model's layers in
+    fp32). ``peak_bytes``: the largest made so far."""
+
+    def __init__(self, shared: Dict[str, torch.Tensor], noise: float, layer_path: str):
+        self._shared = shared
+        self._noise = noise
+        self._noisy = set()
+        seen = set()
+        for name, value in shared.items():
+            if (noise and id(value) in seen and layer_index_of(name, layer_path) is not None
+                    and value.is_floating_point() and value.numel() >= 2):
+                self._noisy.add(name)
+            seen.add(id(value))
+        self.peak_bytes = 0
+
+    def made_on_read(self, name: str) -> bool:
+        """Whether ``self[name]`` is a new (noisy) tensor made for that parameter alone."""
+        return name in self._noisy
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = self._shared[name]
+        if name not in self._noisy:
+            return value
+        generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        noise = torch.randn(value.shape, generator=generator, dtype=torch.float32).to(value.device)
+        made = noise.mul_(self._noise * value.float().std()).add_(value.float()).to(value.dtype)
+        self.peak_bytes = max(self.peak_bytes, made.numel() * made.element_size())
+        return made
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shared)
+
+    def __len__(self) -> int:
+        return len(self._shared)
+
+
+def _cast(param: nn.Parameter, dtype: Optional[torch.dtype]) -> torch.dtype:
+    return dtype if dtype is not None and param.is_floating_point() else param.dtype
+
+
+def _give_storage(unit: nn.Module, names: Dict[int, str], made: Dict[int, nn.Parameter],
+                  weights: Optional[Mapping[str, torch.Tensor]], dtype: Optional[torch.dtype],
+                  device: Optional[torch.device] = None, views: Optional[Dict[int, torch.Tensor]] = None) -> None:
+    """Give the meta parameters of ``unit`` storage on ``device`` (the CPU when None; ties kept through ``made``),
+    or the view ``views`` holds for it, floating ones in ``dtype`` when given, then fill them from ``weights``: the
+    parameters that start from one tensor (the layers of a shared set) together, each piece of it read once; those
+    whose value :class:`Starts` makes when read (noisy copies) one at a time, each value dropped once written."""
+    copies: Dict[int, Tuple[torch.Tensor, List[torch.Tensor]]] = {}  # by the source's id: (source, its copies)
+    own: List[Tuple[torch.Tensor, str]] = []  # (parameter, name) filled from a value made for it alone
+    for module in unit.modules():
+        for key, param in list(module._parameters.items()):
+            if param is None or (id(param) not in made and param.device.type != "meta"):
+                continue
+            if id(param) not in made:
+                storage = (views or {}).get(id(param))
+                if storage is None:
+                    storage = torch.empty_like(param, device=device or "cpu", dtype=_cast(param, dtype))
+                real = parameter_like(param, storage)
+                name = names.get(id(param))
+                if isinstance(weights, Starts) and weights.made_on_read(name):
+                    own.append((real, name))
+                elif weights is not None:
+                    source = weights[name]
+                    copies.setdefault(id(source), (source, []))[1].append(real)
+                made[id(param)] = real
+            module._parameters[key] = made[id(param)]
+    for source, targets in copies.values():
+        fill_copies(targets, source)
+    for real, name in own:
+        fill_copies([real], weights[name])
+
+
+def materialize(skeleton: nn.Module, weights: Optional[Mapping[str, torch.Tensor]],
+                dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
+                views: Optional[Dict[int, torch.Tensor]] = None) -> nn.Module:
+    """Give the skeleton's parameters real storage on ``device`` (the CPU when None; ties kept), or the storage
+    ``views`` holds for a parameter's id (granular offload's host layers), filled from ``weights`` when given, in
+    ``dtype`` (floating parameters; the engine's working dtype, which DeepSpeed would cast them to) or their own:
+    each parameter is made in that dtype where it will train and filled there (the parameters that start from one
+    tensor together), so the model is never held in a wider dtype than it trains in, nor anywhere else."""
+    names = _parameter_names(skeleton, weights)
+    _give_storage(skeleton, names, {}, weights, dtype, device, views)
+    return skeleton
+
+
+# ---- what the process gives back between two engines -----------------------------------------------------------
+def _libc_malloc_trim():
+    """glibc's ``malloc_trim``, or None (not Linux, or a C library without it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+def return_freed_host_memory() -> None:
+    """Give the host memory the process freed back to the OS (glibc ``malloc_trim``; elsewhere nothing). glibc
+    keeps freed blocks below its mmap threshold (which it raises up to 32 MiB as large blocks are freed) in its heaps,
+    so the pseudo engine's tensors and the per-parameter buffers the engine build frees would otherwise stay resident
+    while the real stage's (larger, freshly mapped) buffers are allocated next to them."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def refuse_model_parallelism(mpu, ds_config: Mapping[str, Any]) -> None:
+    """Granular offload is written for data (and expert) parallelism: its groups outside DeepSpeed's optimizer
+    are reduced over DeepSpeed's data-parallel group, but tensor, pipeline or sequence parallel layers (split
+    parameters, stages, sequence shards) are not handled, so they are refused until supported."""
+    sizes = {
+        "tensor parallel (mpu)": getattr(mpu, "get_tensor_model_parallel_world_size", lambda: 1)(),
+        "pipeline parallel (mpu)": getattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 1)(),
+        # the mpu interface DeepSpeed documents (Megatron-DeepSpeed's) and its pipeline grid name them so
+        "model parallel (mpu)": getattr(mpu, "get_model_parallel_world_size", lambda: 1)(),
+        "pipeline parallel (mpu grid)": getattr(mpu, "get_pipe_parallel_world_size", lambda: 1)(),
+        "tensor_parallel.autotp_size": (ds_config.get("tensor_parallel") or {}).get("autotp_size", 1),
+        "sequence_parallel_size": ds_config.get("sequence_parallel_size", 1),
+    }
+    used = {name: size for name, size in sizes.items() if size and size > 1}
+    if used:
+        raise ConfigError(
+            f"granular_offload works with data (and expert) parallelism only; this run has {used}. Remove the "
+            f"granular_offload section, or run without tensor, pipeline and sequence parallelism"
+        )
+
+
+def _copy_lrs(old: List[float], optimizer) -> None:
+    groups = optimizer.param_groups
+    if len(old) == len(groups):
+        values = old
+    elif len(set(old)) == 1:
+        values = old[:1] * len(groups)
+    else:
+        raise RuntimeError(
+            f"cannot carry per-group learning rates across the delink: {len(old)} groups before, {len(groups)} after"
+        )
+    for group, lr in zip(groups, values):
+        group["lr"] = lr
+
+
+class StageBuilder:
+    """Builds the DeepSpeed engine of every stage of the run, from one meta skeleton of the caller's model, and holds
+    the current one (``engine``, ``optimizer``, ``lr_scheduler``, ``offload_plan``; its layout ``depth`` layers in
+    ``groups`` parameter sets). What it builds it records in the ``TrainingState`` it is handed (stage, groups, and
+    across a delink the transitions done and the switch step).
+
+    ``step_hooks``: the optimizer step's pre and post hooks, registered on every engine's optimizer (the
+    controller's stage LR factor).
+    """
+
+    def __init__(self, model: nn.Module, ptr_config: PseudoToRealConfig, ds_config: Dict[str, Any],
+                 full_ds_config: Dict[str, Any], *, optimizer: Optional[Callable],
+                 model_parameters: Optional[Callable[[nn.Module], Any]], lr_scheduler: Optional[Callable], mpu,
+                 step_hooks: Tuple[Callable, Callable]):
+        self.layer_path = ptr_config.layers
+        self.num_layers = len(get_layer_list(model, self.layer_path))
+        # fails early, naming the key, if a stage's groups does not divide L or does not split the stage before
+        self.stages = ptr_config.stages(self.num_layers) if ptr_config.enabled else [(self.num_layers,) * 2]
+        self.depth, self.groups = self.stages[0]
+        self._policy = ptr_config.optimizer_state
+        self._noise = ptr_config.delink_noise
+        self._rewarmup_steps = ptr_config.rewarmup_steps
+        # the transition reads and writes each engine's optimizer state; save_checkpoint wraps its checkpoint engine
+        self._internals = (*(["pseudo_to_real"] if ptr_config.enabled else []), "save_checkpoint", "monitors")
+        self._ds_config = ds_config  # DeepSpeed's own sections
+        self._full_config = full_ds_config  # with the plugin's, which granular offload reads
+        self._granular = "granular_offload" in full_ds_config
+        self._dtype = working_dtype(ds_config)
+        self._zero3 = (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3
+        self._optimizer_factory = optimizer
+        self._params_fn = model_parameters
+        self._scheduler_factory = lr_scheduler
+        self._mpu = mpu
+        self._step_hooks = step_hooks
+        if ptr_config.enabled and self.depth == self.num_layers:
+            apply_sharing(model, self.layer_path, self.groups)
+        self._skeleton = meta_skeleton(model)
+        if self.depth < self.num_layers:  # a shallow start: the first layers only
+            truncate_layers(model, self.layer_path, self.depth)
+        self.engine = self.optimizer = self.lr_scheduler = None
+        self.offload_plan = None
+        self._monitor = None
+
+    # ---- engines ----------------------------------------------------------------------------------------------
+    def start(self, model: nn.Module, stage: str, training_data=None, collate_fn=None):
+        """The first stage's engine, from the caller's model; returns DeepSpeed's training data loader."""
+        return self._new_engine(model, stage, training_data, collate_fn)
+
+    def _new_engine(self, model: nn.Module, stage: str, training_data=None, collate_fn=None):
+        params = self._params_fn(model) if self._params_fn else [p for p in model.parameters() if p.requires_grad]
+        optimizer = self._optimizer_factory
+        ds_config = self._ds_config
+        if self._granular:
+            from .offload import build_offload_optimizer, describe_offload_plan
+
+            refuse_model_parallelism(self._mpu, self._full_config)
+            client, ds_config, plan = build_offload_optimizer(model, self._full_config, self.layer_path,
+                                                              self._data_parallel_size())
+            if client is not None:
+                optimizer, params = client, None
+                self.offload_plan = plan
+                log_rank0(f"granular offload plan for the {stage} model:\n{describe_offload_plan(plan)}")
+        engine, engine_optimizer, loader, scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=params,
+            optimizer=optimizer,
+            lr_scheduler=self._scheduler_factory,
+            training_data=training_data,
+            collate_fn=collate_fn,
+            mpu=self._mpu,
+            # the run's monitor is handed on below: no writer (and empty event file) of this engine's own
+            config=ds_config if self._monitor is None else ds_state.without_monitors(ds_config),
+        )
+        ds_state.check_internals(engine, *self._internals)
+        if self.offload_plan is not None:
+            from .offload import attach_to_engine
+
+            attach_to_engine(engine)
+        if self._monitor is not None:  # one TensorBoard/CSV/W&B writer for the whole run, across the delink
+            engine.monitor = self._monitor
+        ds_state.warn_on_failed_monitor_writes(engine, ckpt.warn)
+        target = ds_state.basic_optimizer(engine)
+        if target is not None:
+            pre, post = self._step_hooks
+            target.register_step_pre_hook(pre)
+            target.register_step_post_hook(post)
+        self.engine, self.optimizer, self.lr_scheduler = engine, engine_optimizer, scheduler
+        return loader
+
+    def build(self, depth: int, groups: int, weights: Optional[Mapping[str, torch.Tensor]],
+              state: TrainingState) -> Dict[str, float]:
+        """The model of ``depth`` layers in ``groups`` parameter sets (``num_layers`` twice: the real model) from the
+        skeleton, with ``weights`` (every layer's names) or uninitialized storage, and its engine, recorded in
+        ``state``; returns the seconds of its phases (``model``: storage and values, ``engine``:
+        ``deepspeed.initialize``, ``masters``: the fp32 masters set from ``weights``)."""
+        start = time.perf_counter()
+        skeleton = copy_with_parameters(self._skeleton, lambda p: parameter_like(p, torch.empty_like(p)))
+        delink_layers(skeleton, self.layer_path)
+        if depth < self.num_layers:
+            truncate_layers(skeleton, self.layer_path, depth)
+        if groups < depth:
+            apply_sharing(skeleton, self.layer_path, groups)
+        device = rank_device()
+        if self._zero3:
+            model = self._materialize_partitioned(skeleton, weights, self._dtype, device)
+        else:
+            model = materialize(skeleton, weights, self._dtype, device,
+                                self._host_param_views(skeleton, self._dtype, device))
+        built = time.perf_counter()
+        self.depth, self.groups = depth, groups
+        state.groups = groups
+        state.stage = REAL if (depth, groups) == (self.num_layers, self.num_layers) else PSEUDO
+        self._new_engine(model, state.stage)
+        initialized = time.perf_counter()
+        if weights is not None and self._dtype != torch.float32:
+            # DeepSpeed made the fp32 masters from the working-dtype parameters, rounded: give them the full values
+            ds_state.set_full_fp32_params(self.engine, weights)
+        return {"model": round(built - start, 3), "engine": round(initialized - built, 3),
+                "masters": round(time.perf_counter() - initialized, 3)}
+
+    def _host_param_views(self, skeleton: nn.Module, dtype: torch.dtype, device: torch.device
+                          ) -> Optional[Dict[int, torch.Tensor]]:
+        """Host storage for the layers granular offload will plan at ``host_params`` (pinned as it pins them), laid
+        out as its ``HostParamStore`` keeps them, so that they are built in their final place; None without the
+        section."""
+        if not self._granular:
+            return None
+        from .offload import host_params_placement
+        from .offload.params import host_param_views
+
+        ids, pin = host_params_placement(skeleton, self._full_config, self.layer_path, self._data_parallel_size())
+        if not ids:
+            return None
+        return host_param_views(get_layer_list(skeleton, self.layer_path), ids, lambda p: _cast(p, dtype),
+                                pin and device.type == "cuda")
+
+    def _data_parallel_size(self) -> int:
+        """The ranks ZeRO partitions over (the mpu's data-parallel group, else the world)."""
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        return getattr(self._mpu, "get_data_parallel_world_size", lambda: world)()
+
+    def _materialize_partitioned(self, skeleton: nn.Module, weights: Optional[Mapping[str, torch.Tensor]],
+                                 dtype: torch.dtype, device: Optional[torch.device] = None) -> nn.Module:
+        """ZeRO-3: give the skeleton storage one layer at a time (then the rest), in the engine's dtype, and hand
+        each to ``deepspeed.zero.Init(module=...)``, which keeps this rank's partition and frees the rest, so that a
+        rank never holds more than one layer of the model in full."""
+        planned = list(skeleton.named_parameters())  # kept alive: ids in ``names`` must not be reused by new tensors
+        names = _parameter_names(skeleton, weights)
+        made: Dict[int, nn.Parameter] = {}
+        for unit in [*get_layer_list(skeleton, self.layer_path), skeleton]:
+            _give_storage(unit, names, made, weights, dtype, device)
+            deepspeed.zero.Init(module=unit, config_dict_or_path=self._ds_config, dtype=dtype, mpu=self._mpu)
+        del planned
+        return skeleton
+
+    def release(self) -> None:
+        """Destroy the current engine and give back what it held (its monitor is kept for the next engine)."""
+        from .offload.pinned import empty_host_cache
+
+        remove_hooks = getattr(ds_state.basic_optimizer(self.engine), "remove_hooks", None)
+        if remove_hooks is not None:  # granular offload's fetch and gradient hooks live on the old model
+            remove_hooks()
+        self._monitor = self.engine.monitor
+        module = self.engine.module
+        self.engine.destroy()
+        ds_state.retire_module(module, RETIRED_MODULE)
+        self.engine = self.optimizer = self.lr_scheduler = None
+        gc.collect()
+        return_freed_host_memory()
+        empty_host_cache()  # the pinned blocks torch's host allocator kept of the pseudo engine's
+
+    # ---- the delink -------------------------------------------------------------------------------------------
+    def delink(self, new: Tuple[int, int], state: TrainingState) -> Dict[str, Any]:
+        """Turn the current engine into the one of the ``new`` stage (layers, parameter groups), in process: gather
+        the full fp32 weights and moments, release the engine, build the new model from them and its engine, carry
+        steps, LR schedule and the optimizer state per ``pseudo_to_real.optimizer_state``; records the transition
+        in ``state`` and returns (and logs) what was done."""
+        start = clock = time.perf_counter()
+        phases: Dict[str, float] = {}
+
+        def lap(name: str) -> None:  # seconds since the previous phase ended
+            nonlocal clock
+            now = time.perf_counter()
+            phases[name], clock = round(now - clock, 3), now
+
+        old_engine = self.engine
+        pseudo_numel = parameter_numel(old_engine.module)
+        pseudo_total = ds_state.total_parameter_numel(old_engine.module)
+        pseudo_memory = ds_state.memory_report(old_engine)
+        pseudo_plan = self.offload_plan
+        weights, moments = ds_state.gather_full_state(old_engine, self._policy != OptimizerStatePolicy.RESET.value,
+                                                      GATHERED_ON)
+        gathered = sum(t.numel() * t.element_size() for t in [
+            *weights.values(), *(t for per in moments.values() for t in per.values())])
+        counters = ds_state.step_counters(old_engine)
+        lrs = [g["lr"] for g in old_engine.optimizer.param_groups]
+        scheduler_state = old_engine.lr_scheduler.state_dict() if old_engine.lr_scheduler is not None else None
+        steps = {k: getattr(old_engine, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
+        del old_engine
+        lap("gather")
+        self.release()
+        lap("release")
+        old = (self.depth, self.groups)
+        (old_depth, old_groups), (new_depth, new_groups) = old, new
+        every_layer = [name for name, _ in self._skeleton.named_parameters(remove_duplicate=False)]
+        kept = [name for name in every_layer  # the skeleton's layers past the new depth are not in the model
+                if layer_index_of(name, self.layer_path) is None or layer_index_of(name, self.layer_path) < new_depth]
+        sources = {name: source_parameter(name, self.layer_path, old, new)[0] for name in kept}
+        # views (materialize copies them into place); a name missing from ``weights`` is a tie to another
+        # parameter outside the layers (e.g. a head tied to the embedding), which materialize fills through it
+        starts = Starts({name: weights[source] for name, source in sources.items() if source in weights},
+                        self._noise, self.layer_path)
+        lap("starts")
+        phases.update(self.build(new_depth, new_groups, starts, state))
+        held = gathered + starts.peak_bytes  # the gathered state and, beside it, the largest noisy copy
+        del weights, starts
+        clock = time.perf_counter()
+        return_freed_host_memory()  # the per-parameter tensors DeepSpeed flattened or partitioned, freed in the build
+        state.transitions_done += 1
+        engine = self.engine
+        for key, value in steps.items():
+            setattr(engine, key, value)
+        if scheduler_state is not None and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(scheduler_state)
+        _copy_lrs(lrs, engine.optimizer)
+        carried = self._carry_moments(moments, counters, old, new) if moments else 0
+        lap("carry")  # steps, LR schedule and the optimizer state
+        state.switch_step = engine.global_steps
+        report = {
+            "step": engine.global_steps,
+            "seconds": round(time.perf_counter() - start, 3),
+            "groups_before": old_groups,
+            "groups_after": new_groups,
+            "layers_before": old_depth,
+            "layers_after": new_depth,
+            "parameters_before": pseudo_numel,  # this rank's
+            "parameters_after": parameter_numel(engine.module),
+            "parameters_before_total": pseudo_total,  # the model's, over every rank
+            "parameters_after_total": ds_state.total_parameter_numel(engine.module),
+            "optimizer_state": self._policy,
+            "moments_carried": carried,
+            "memory_before": pseudo_memory,
+            "memory_after": ds_state.memory_report(engine),
+            "rewarmup_steps": self._rewarmup_steps,
+            "phases": phases,
+            "gathered": {"device": str(GATHERED_ON), "bytes": gathered, "peak_bytes": held},
+        }
+        if pseudo_plan is not None or self.offload_plan is not None:
+            report["offload_plan_before"] = pseudo_plan
+            report["offload_plan_after"] = self.offload_plan
+        log_transition(report)
+        return report
+
+    def _carry_moments(self, moments: Dict[str, Dict[str, torch.Tensor]], counters, old: Tuple[int, int],
+                       new: Tuple[int, int]) -> int:
+        """Write each gathered shared parameter's Adam moments, as the policy makes them, into its copies in the new
+        engine (one shared parameter at a time; emptying ``moments``), zero what has no source, and set the step
+        counters; returns the number of parameters given moments."""
+        engine = self.engine
+        carried = 0
+        unwritten = ds_state.seed_optimizer_state(engine, counters)
+        copies: Dict[str, Tuple[int, List[nn.Parameter]]] = {}  # by shared parameter: (members, its copies)
+        for name, param in engine.module.named_parameters():
+            source, members = source_parameter(name, self.layer_path, old, new)
+            if source in moments:
+                copies.setdefault(source, (members, []))[1].append(param)
+        swapped = []  # the copies in sub-groups ZeRO-3 swaps to NVMe, written a sub-group at a time after
+        for source, (members, params) in copies.items():  # one shared parameter's moments at a time
+            start_moments = member_moments(self._policy, moments.pop(source), members)
+            resident, elsewhere = ds_state.held_in_memory(engine, params)
+            ds_state.set_full_moments_of_copies(engine, resident, start_moments, unwritten)
+            if elsewhere:
+                swapped.append((elsewhere, start_moments))
+            carried += len(params)
+        unwritten.zero_rest()  # padding, and parameters whose source had no moments
+        ds_state.write_swapped_moments(engine, counters, swapped)
+        ds_state.replay_cpu_adam_steps(engine)
+        return carried
+
+
+def log_transition(report: Dict[str, Any]) -> None:
+    """A delink's report as log lines: the transition on rank 0, each rank's memory before and after."""
+    mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+    log_rank0(
+        f"delinked at step {report['step']} in {report['seconds']:.2f}s: parameters per rank "
+        f"{report['parameters_before']:,} -> {report['parameters_after']:,}, in total "
+        f"{report['parameters_before_total']:,} -> {report['parameters_after_total']:,}; optimizer state "
+        f"'{report['optimizer_state']}'"
+        f" ({report['moments_carried']} tensors carried); LR re-warmup {report['rewarmup_steps']} steps; "
+        f"parameter groups {report['groups_before']} -> {report['groups_after']}"
+        + (f", layers {report['layers_before']} -> {report['layers_after']} (stacked)"
+           if report["layers_before"] != report["layers_after"] else "")
+        + " (" + ", ".join(f"{name} {seconds:.2f}s" for name, seconds in report["phases"].items()) + ")"
+        + f"; pseudo state gathered on {report['gathered']['device']}: {mib(report['gathered']['bytes'])}"
+        + f" (held at most {mib(report['gathered']['peak_bytes'])} with what the delink made of it)"
+    )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for when in ("before", "after"):
+        mem = report[f"memory_{when}"]
+        print(
+            f"[ds_pseudo_real] rank {rank} memory {'pseudo' if when == 'before' else 'real'}: "
+            + ", ".join(f"{k} {mib(v)}" for k, v in mem.items()),
+            flush=True,
+        )
