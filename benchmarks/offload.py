@@ -161,7 +161,6 @@ def build_arm(arm: str, args):
 
 
 def run_arm(arm: str, args) -> Dict:
-
     import torch
 
     from ds_pseudo_real.offload import describe_offload_plan
