@@ -134,7 +134,7 @@ def test_wrapper_exports_the_variables_and_execs_the_command():
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["13", "5", "40", "gpu001", "27654"]
-    assert "rank 13/40 local 5/8 node 1/5 master gpu001:27654" in out.stderr
+    assert f"rank 13/40 local 5/8 node 1/5 master gpu001:27654 on host {os.uname().nodename}\n" in out.stderr
 
 
 def test_hostfile_text_is_what_deepspeed_parses():
