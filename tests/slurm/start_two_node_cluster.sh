@@ -14,7 +14,8 @@
 # Clients reach this cluster with SLURM_CONF=/etc/slurm-two-node/slurm.conf (sbatch passes it on to the job).
 # Needs root (apt-get, /etc, daemons, namespaces). Written against Debian 12's slurm-wlm 22.05 (slurmd -N: the
 # Debian build runs one slurmd per node name; per-node Port= lets two share this machine).
-# Exit status 0 = both nodes accept jobs; 2 = not root; 6 = namespaces not allowed; other = see the last lines.
+# Exit status 0 = both nodes accept jobs; 2 = not root; 6 = namespaces not allowed; 8 = no device file can be made;
+# other = see the last lines.
 set -euo pipefail
 
 CONF_DIR=/etc/slurm-two-node
@@ -102,8 +103,10 @@ if command -v scontrol >/dev/null 2>&1 && cluster_answers; then
     exit 0
 fi
 
-if ! err=$(unshare --uts --mount --propagation private -- true 2>&1); then
-    log "namespaces are not allowed here (unshare --uts --mount: $err)"
+# What each node does at its start, on a throw-away namespace: its own hostname and its own /etc/hosts.
+if ! err=$(unshare --uts --mount --propagation private -- /bin/sh -c \
+        "mount --bind /etc/hosts /etc/hosts && hostname namespace-probe" 2>&1); then
+    log "namespaces are not allowed here (unshare --uts --mount, then mount --bind and hostname in them): $err"
     exit 6
 fi
 
@@ -163,7 +166,10 @@ fi
 # One fake GPU per node, so that --gpus-per-node 1 schedules (SLURM sets SLURM_GPUS_ON_NODE=1 and
 # CUDA_VISIBLE_DEVICES=0): SLURM 22.05 drops a GPU without a device file, and refuses a file that is not a device, so
 # the file is a character device with /dev/null's numbers.
-[ -c "$RUN_DIR/gpu0" ] || mknod "$RUN_DIR/gpu0" c 1 3
+if [ ! -c "$RUN_DIR/gpu0" ] && ! err=$(mknod "$RUN_DIR/gpu0" c 1 3 2>&1); then
+    log "cannot make the fake GPU's device file: $err"
+    exit 8
+fi
 printf '%s\n' "$MARKER" "AutoDetect=off" "Name=gpu File=$RUN_DIR/gpu0" >"$CONF_DIR/gres.conf"
 {
     cat /etc/hosts
