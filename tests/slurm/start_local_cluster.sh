@@ -24,7 +24,8 @@ cluster_answers() {
         sinfo --noheader --partition "$PARTITION" --format '%t' 2>/dev/null | grep -Eq '^(idle|mix|alloc)'
 }
 
-if command -v scontrol >/dev/null 2>&1 && cluster_answers; then
+# Without its file, scontrol would look for a configless slurmctld in DNS (and wait a minute).
+if [ -e "$CONF" ] && command -v scontrol >/dev/null 2>&1 && cluster_answers; then
     log "cluster already up: $(sinfo --noheader --format '%P %D %t %c' | head -1)"
     echo "SLURM_CONF=$CONF"
     exit 0

@@ -97,7 +97,8 @@ case "${1:-start}" in
     *) log "unknown command ${1}: expected start, kill-node N, start-node N or stop"; exit 2 ;;
 esac
 
-if command -v scontrol >/dev/null 2>&1 && cluster_answers; then
+# Without its file, scontrol would look for a configless slurmctld in DNS (and wait a minute).
+if [ -e "$CONF" ] && command -v scontrol >/dev/null 2>&1 && cluster_answers; then
     log "cluster already up: $(sinfo --noheader --format '%P %D %t %N' | head -1)"
     echo "SLURM_CONF=$CONF"
     exit 0
