@@ -31,6 +31,8 @@ start_munge() {
 }
 
 pid_alive() {
-    # The daemon whose pid file is $1 runs (by pid file, not by name: two clusters run the same daemons).
-    [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
+    # The daemon whose pid file is $1 runs (by pid file, not by name: two clusters run the same daemons); a zombie
+    # (killed, not yet reaped by init) does not.
+    [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null &&
+        ! grep -q '^State:.*zombie' "/proc/$(cat "$1")/status" 2>/dev/null
 }

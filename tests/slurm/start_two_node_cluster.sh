@@ -3,8 +3,8 @@
 # dir, ports, state, logs; the same munged): one slurmctld, and two slurmd, node1 and node2, each in a UTS and mount
 # namespace of its own, so that each has its own hostname, its own /etc/hosts naming both nodes, and its own loopback
 # address (node1 127.0.0.2, node2 127.0.0.3), which its ranks resolve their hostname to and bind to. Partition
-# "two" (default), one fake GPU per node (a GRES count without a device file) so that --gpus-per-node 1 schedules.
-# No network namespace and no address outside 127/8: everything goes over this machine's loopback.
+# "two" (default); each node has 4 cores (the machine's, shared) and one fake GPU, so that --gpus-per-node 1
+# schedules. No network namespace and no address outside 127/8: everything goes over this machine's loopback.
 #
 #   start_two_node_cluster.sh [start]      start what is not running (idempotent); prints SLURM_CONF=... when up
 #   start_two_node_cluster.sh kill-node N  SIGKILL every process of node N (its slurmd, job steps, ranks): a lost node
@@ -37,7 +37,8 @@ log() { echo "start_two_node_cluster: $*" >&2; }
 cluster_answers() {
     # both nodes "idle"/"mixed"/"allocated" and answering: they accept jobs ("down", "drained", "idle*" do not)
     scontrol ping >/dev/null 2>&1 &&
-        [ "$(sinfo --noheader --partition "$PARTITION" --Node --format '%t' 2>/dev/null | grep -Ec '^(idle|mix|alloc)$')" = 2 ]
+        [ "$(sinfo --noheader --partition "$PARTITION" --Node --format '%t' 2>/dev/null |
+             grep -Ec '^(idle|mix|alloc)$')" = 2 ]
 }
 
 node_pids() {
@@ -62,7 +63,11 @@ start_node() {
     unshare --uts --mount --propagation private -- /bin/sh -c \
         "mount --bind $RUN_DIR/hosts /etc/hosts && hostname $node && exec slurmd -f $CONF -N $node"
     for _ in $(seq 20); do pid_alive "$RUN_DIR/slurmd-$node.pid" && break; sleep 0.5; done
-    pid_alive "$RUN_DIR/slurmd-$node.pid" || { log "slurmd $node did not start"; tail -5 "$LOG_DIR/slurmd-$node.log" >&2; exit 5; }
+    if ! pid_alive "$RUN_DIR/slurmd-$node.pid"; then
+        log "slurmd $node did not start"
+        tail -5 "$LOG_DIR/slurmd-$node.log" >&2
+        exit 5
+    fi
     readlink "/proc/$(cat "$RUN_DIR/slurmd-$node.pid")/ns/uts" >"$RUN_DIR/$node.uts"
 }
 
@@ -71,7 +76,20 @@ kill_node() {
     pids=$(node_pids "$1")
     log "killing node $1: pids $(echo $pids)"
     [ -z "$pids" ] || kill -KILL $pids 2>/dev/null || true
-    rm -f "$RUN_DIR/slurmd-$1.pid"
+    # The namespace is gone with its last process, and its number may be given to another one.
+    rm -f "$RUN_DIR/slurmd-$1.pid" "$RUN_DIR/$1.uts"
+}
+
+stop_cluster() {
+    local node
+    for node in "${NODES[@]}"; do
+        [ ! -s "$RUN_DIR/$node.uts" ] || kill_node "$node"
+    done
+    if pid_alive "$RUN_DIR/slurmctld.pid"; then
+        log "stopping slurmctld"
+        kill "$(cat "$RUN_DIR/slurmctld.pid")"
+        for _ in $(seq 20); do pid_alive "$RUN_DIR/slurmctld.pid" || break; sleep 0.5; done
+    fi
 }
 
 known_node() {
@@ -87,46 +105,14 @@ case "${1:-start}" in
     start) ;;
     kill-node) known_node "${2:-}"; kill_node "$2"; exit 0 ;;
     start-node) known_node "${2:-}"; start_node "$2"; exit 0 ;;
-    stop)
-        for node in "${NODES[@]}"; do kill_node "$node"; done
-        if pid_alive "$RUN_DIR/slurmctld.pid"; then
-            log "stopping slurmctld"
-            kill "$(cat "$RUN_DIR/slurmctld.pid")"
-        fi
-        exit 0 ;;
+    stop) stop_cluster; exit 0 ;;
     *) log "unknown command ${1}: expected start, kill-node N, start-node N or stop"; exit 2 ;;
 esac
 
-# Without its file, scontrol would look for a configless slurmctld in DNS (and wait a minute).
-if [ -e "$CONF" ] && command -v scontrol >/dev/null 2>&1 && cluster_answers; then
-    log "cluster already up: $(sinfo --noheader --format '%P %D %t %N' | head -1)"
-    echo "SLURM_CONF=$CONF"
-    exit 0
-fi
-
-# What each node does at its start, on a throw-away namespace: its own hostname and its own /etc/hosts.
-if ! err=$(unshare --uts --mount --propagation private -- /bin/sh -c \
-        "mount --bind /etc/hosts /etc/hosts && hostname namespace-probe" 2>&1); then
-    log "namespaces are not allowed here (unshare --uts --mount, then mount --bind and hostname in them): $err"
-    exit 6
-fi
-
-install_slurm_packages
-start_munge
-
-if [ -e "$CONF" ] && ! grep -qF "$MARKER" "$CONF"; then
-    log "$CONF exists and was not written by this script; refusing to replace it"
-    exit 4
-fi
-HOST=$(hostname -s)
-# This machine's CPUs as slurmd detects them (both nodes share them), without the name and the memory.
-CPU_FIELDS=$(slurmd -C | head -1 | tr ' ' '\n' | grep -E '^(CPUs|Boards|SocketsPerBoard|CoresPerSocket|ThreadsPerCore)=' | tr '\n' ' ')
-mkdir -p "$CONF_DIR" "$STATE_DIR/ctld" "$LOG_DIR" "$RUN_DIR"
-for node in "${NODES[@]}"; do mkdir -p "$STATE_DIR/$node"; done
 NEW_CONF=$(cat <<EOF
 $MARKER
 ClusterName=twonode
-SlurmctldHost=$HOST(127.0.0.1)
+SlurmctldHost=$(hostname -s)(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
 SlurmUser=root
 SlurmdUser=root
@@ -154,13 +140,43 @@ ReturnToService=2
 SlurmdTimeout=10
 MinJobAge=300
 KillWait=10
+# Each node claims 4 cores whatever the machine has (both share its cores anyway), so that a job of 2 ranks per node
+# fits beside one of 1 rank per node; config_overrides keeps slurmd from draining a node that has fewer.
+SlurmdParameters=config_overrides
 EOF
 )
 for node in "${NODES[@]}"; do
-    NEW_CONF+=$'\n'"NodeName=$node NodeAddr=${ADDR[$node]} Port=${PORT[$node]} ${CPU_FIELDS}RealMemory=2000 Gres=gpu:1 State=UNKNOWN"
+    NEW_CONF+=$'\n'"NodeName=$node NodeAddr=${ADDR[$node]} Port=${PORT[$node]} CPUs=4 Boards=1 SocketsPerBoard=1"
+    NEW_CONF+=" CoresPerSocket=4 ThreadsPerCore=1 RealMemory=2000 Gres=gpu:1 State=UNKNOWN"
 done
 NEW_CONF+=$'\n'"PartitionName=$PARTITION Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP"
+
+# Without its file, scontrol would look for a configless slurmctld in DNS (and wait a minute).
+if [ -e "$CONF" ] && [ "$(cat "$CONF")" = "$NEW_CONF" ] && command -v scontrol >/dev/null 2>&1 && cluster_answers; then
+    log "cluster already up: $(sinfo --noheader --format '%P %D %t %N' | head -1)"
+    echo "SLURM_CONF=$CONF"
+    exit 0
+fi
+
+# What each node does at its start, on a throw-away namespace: its own hostname and its own /etc/hosts.
+if ! err=$(unshare --uts --mount --propagation private -- /bin/sh -c \
+        "mount --bind /etc/hosts /etc/hosts && hostname namespace-probe" 2>&1); then
+    log "namespaces are not allowed here (unshare --uts --mount, then mount --bind and hostname in them): $err"
+    exit 6
+fi
+
+install_slurm_packages
+start_munge
+
+if [ -e "$CONF" ] && ! grep -qF "$MARKER" "$CONF"; then
+    log "$CONF exists and was not written by this script; refusing to replace it"
+    exit 4
+fi
+mkdir -p "$CONF_DIR" "$STATE_DIR/ctld" "$LOG_DIR" "$RUN_DIR"
+for node in "${NODES[@]}"; do mkdir -p "$STATE_DIR/$node"; done
 if [ ! -e "$CONF" ] || [ "$(cat "$CONF")" != "$NEW_CONF" ]; then
+    # Daemons started on another configuration would keep it: this cluster starts again (its jobs are lost).
+    stop_cluster
     log "writing $CONF"
     printf '%s\n' "$NEW_CONF" >"$CONF"
 fi
