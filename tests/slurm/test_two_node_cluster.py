@@ -91,6 +91,7 @@ def main_run(cluster, jobs, config, one_node_run, tmp_path_factory, request):
         cluster.wait_for(lambda: cluster.job_state(job_id).get("Restarts") == "1", "the requeue", job_id, run,
                          LOST_NODE_BOUND_S * 3)
         requeued_after_s = time.monotonic() - killed
+        print(f"node2 killed after step {KILL_AFTER}: job {job_id} requeued {requeued_after_s:.1f} s later")
         latest_at_loss = (run / "checkpoints" / "latest").read_text().strip()
     finally:
         subprocess.run(["bash", str(START_CLUSTER), "start-node", "node2"], check=True, capture_output=True)
