@@ -25,6 +25,7 @@ from slurm_jobs import REPO, Cluster, assert_checkpoint, logs, metrics_step, tin
 from launch.dist_env import master_port_for_job
 
 START_CLUSTER = REPO / "tests" / "slurm" / "start_two_node_cluster.sh"
+PARTITION = "two"  # the cluster's, with node1 and node2
 STANDIN = REPO / "tests" / "slurm" / "standin_train.py"
 SWITCH_STEP, STEPS, SAVE_INTERVAL, KILL_AFTER = 12, 20, 4, 5
 # start_two_node_cluster.sh sets SlurmdTimeout=10: a silent node is DOWN 10-30 s later, and its jobs requeued.
@@ -52,16 +53,12 @@ def config(tmp_path_factory):
     return tiny_config_with_switch(tmp_path_factory.mktemp("config"), SWITCH_STEP)
 
 
-def two_nodes(partition="two"):
-    return ["--nodes", "2", "--gpus-per-node", "1", "--partition", partition]
-
-
 @pytest.fixture(scope="module")
 def one_node_run(cluster, jobs, config, tmp_path_factory):
     """The uninterrupted 2-rank run on one node: the losses and weights the two-node run must reproduce."""
     run = tmp_path_factory.mktemp("one_node") / "run"
     job_id = cluster.submit(jobs, config, run, "--nodes", "1", "--gpus-per-node", "0", "--tasks-per-node", "2",
-                            "--partition", "two", "--time", "15", train_args=["--steps", str(STEPS)])
+                            "--partition", PARTITION, "--time", "15", train_args=["--steps", str(STEPS)])
     state = cluster.wait_finished(job_id, run)
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), logs(run)
     return run
@@ -82,7 +79,8 @@ def main_run(cluster, jobs, config, one_node_run, tmp_path_factory, request):
     """The main job's story (module docstring). The time-limit job is submitted once node2 is back, so that its
     minute of waiting for SLURM's warning overlaps the rest of the module."""
     run = tmp_path_factory.mktemp("two_nodes") / "run"
-    job_id = cluster.submit(jobs, config, run, *two_nodes(), "--time", "15", "--requeue",
+    job_id = cluster.submit(jobs, config, run, "--nodes", "2", "--gpus-per-node", "1", "--partition", PARTITION,
+                            "--time", "15", "--requeue",
                             train_args=["--steps", str(STEPS), "--save-interval", str(SAVE_INTERVAL)])
     cluster.wait_for(lambda: metrics_step(run) >= KILL_AFTER, f"step {KILL_AFTER}", job_id, run)
     try:
@@ -116,7 +114,7 @@ def time_limit_job(cluster, jobs, config, tmp_path_factory):
     after its start."""
     run = tmp_path_factory.mktemp("time_limit") / "run"
     job_id = cluster.submit(jobs, config, run, "--nodes", "2", "--gpus-per-node", "0", "--tasks-per-node", "2",
-                            "--partition", "two", "--time", "2", "--signal-grace", "30", "--requeue",
+                            "--partition", PARTITION, "--time", "2", "--signal-grace", "30", "--requeue",
                             "--script", str(STANDIN), train_args=["--steps", "100000", "--step-seconds", "0.5"])
     return job_id, run
 
@@ -215,7 +213,7 @@ def test_deepspeed_launcher_on_the_generated_hostfile(cluster, jobs, config, one
     script = tmp_path / "deepspeed.sbatch"
     script.write_text("\n".join([
         "#!/bin/bash",
-        f"#SBATCH --nodes=2 --ntasks-per-node=1 --gpus-per-node=1 --partition=two --time=10 "
+        f"#SBATCH --nodes=2 --ntasks-per-node=1 --gpus-per-node=1 --partition={PARTITION} --time=10 "
         f"--output={tmp_path}/logs/sbatch-%j.log",
         "set -e",
         f"cd {REPO}",
@@ -256,7 +254,7 @@ def test_megatron_drop_in_across_two_nodes(cluster, jobs, tmp_path):
     script = tmp_path / "megatron.sbatch"
     script.write_text("\n".join([
         "#!/bin/bash",
-        f"#SBATCH --nodes=2 --ntasks-per-node=1 --gpus-per-node=1 --partition=two --time=10 "
+        f"#SBATCH --nodes=2 --ntasks-per-node=1 --gpus-per-node=1 --partition={PARTITION} --time=10 "
         f"--output={tmp_path}/logs/sbatch-%j.log --chdir={tmp_path}",
         f"export PYTHONPATH={shlex.quote(os.pathsep.join([str(REPO), MEGATRON_LM]))}",
         f"srun --kill-on-bad-exit=1 --output={tmp_path}/logs/rank-%t.log {shlex.join(command)}",
