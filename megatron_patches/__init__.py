@@ -28,6 +28,12 @@ PATCHES = [
     "(a set's copies in several virtual stages) is read once and given to every request "
     "(stage_copies.load_each_shard_once; run.install, undone by run.uninstall)",
     "megatron.training.training.train_step wrapped to delink at --pseudo-to-real-switch-iter (run, during pretrain)",
+    "megatron.training.training.checkpoint_and_decide_exit wrapped: with --pseudo-to-real-real-layout, at the switch "
+    "it saves (the distributed optimizer's fully reshardable format) and stops as at --exit-interval; pretrain then "
+    "runs again on the real layout after megatron.training.training.destroy_global_state (run, during pretrain)",
+    "Megatron-LM's parsed arguments: the real layout's sizes from the switch on (run.StageLayout); "
+    "dist_ckpt_optim_fully_reshardable in a pseudo stage whose sets have copies on several stages, with the "
+    "distributed optimizer, until the delink (run.PseudoToRealRun)",
     "megatron.training.training.finalize_model_grads wrapped: then the gradients of a shared set's copies on "
     "several pipeline stages are summed (stage_copies.with_copies_reduced; run, during pretrain)",
     "built models only: TopKRouter instances re-classed as ExpertPrototypingRouter (moe.use_prototyping_routers); "

@@ -40,8 +40,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def load_pseudo_dist_checkpoint(real_module: torch.nn.Module, directory: str, groups: int = 1) -> torch.nn.Module:
     """Offline delink: load a pseudo model's dist checkpoint (``groups`` sharing groups) into the real model (same
-    config, no sharing; a GPTModel: its ``decoder`` is the block that was shared). Every layer gets its group's
-    weights. Optimizer state does not carry over this way: the real run starts it afresh.
+    config, no sharing, no pipeline parallelism; a GPTModel: its ``decoder`` is the block that was shared). Every
+    layer gets its group's weights. Optimizer state does not carry over this way: the real run starts it afresh.
+    (On any layout, the drop-in resumes a pseudo checkpoint and delinks in process.)
     """
     decoder = real_module.decoder
     # Ask for the layout the pseudo block saved (each group once), then give every layer its group's tensors.

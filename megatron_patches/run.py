@@ -7,6 +7,8 @@ before ``pretrain``, and argparse checks them); ``megatron.training.pretrain`` i
 ``model_provider`` builds the shared block while in the pseudo stage and uses expert-prototyping routers.
 ``megatron.training.training.train_step`` is wrapped to delink at iteration N, in process. A relaunched run
 (``--load``) builds the model its checkpoint holds: ``pseudo_stage_at_start`` decides from Megatron's tracker file.
+With a real layout other than the command's (``--pseudo-to-real-real-layout``), the run saves at N and runs the
+script again in process on that layout (``StageLayout``), after Megatron-LM's ``destroy_global_state``.
 Written against Megatron-LM's public training interface (tag core_v0.16.1):
 ``pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, ...)``,
 ``megatron.training.arguments.parse_args(extra_args_provider, ignore_unknown_args)`` (also imported by name into
@@ -54,12 +56,10 @@ def add_arguments(parser):
                        help="Adam moments of each delinked layer: copy the shared ones, reset them, or scale them "
                             "by 1/layers-per-group (squared for the second moment). Default: %(default)s.")
     group.add_argument("--pseudo-to-real-real-layout", type=parse_layout, default=None, metavar="KEY=N,...",
-                       help="Model parallelism of the real stage, when it is to differ from this command's (the "
-                            "pseudo stage's): keys " + ", ".join(LAYOUT_KEYS) + ", e.g. tp=2,pp=2. At the switch "
-                            "the pseudo model is saved in --save (a reshardable checkpoint), parallel state is rebuilt "
-                            "in process with this layout, and the run goes on from that checkpoint; a relaunch "
-                            "resuming from the switch or later takes this layout by itself. Default: %(default)s "
-                            "(both stages on this command's layout).")
+                       help="Model parallelism of the real stage where it differs from this command's (the pseudo "
+                            "stage's): keys " + ", ".join(LAYOUT_KEYS) + ", e.g. tp=2,pp=2. At the switch the pseudo "
+                            "model is saved in --save and the run goes on in process on this layout; a relaunch "
+                            "from the switch on takes it too. Default: %(default)s (one layout).")
     group.add_argument("--m6-expert-prototypes", type=int, default=None,
                        help="M6 expert prototyping: split --num-experts into this many prototypes, top-1 routing "
                             "in each, outputs summed. Needs --moe-router-topk equal to it and "
@@ -259,6 +259,7 @@ class PseudoToRealRun:
         self.model_type = model_type
         self.pseudo_stage: Optional[bool] = None  # decided on the first build, once the flags are parsed
         self.stopped_for_switch = False  # saved at the switch to go on with the real layout
+        self.restore_at_delink: Dict[str, object] = {}  # Megatron-LM arguments the pseudo stage changed
         self.pseudo_chunks: List[torch.nn.Module] = []  # this rank's pseudo chunks (virtual stages) built so far
 
     def model_provider(self, *args, **kwargs):
@@ -286,8 +287,20 @@ class PseudoToRealRun:
             vp_stage, vp_size = kwargs.get("vp_stage"), run_args.virtual_pipeline_model_parallel_size
             if vp_stage is None or vp_stage == vp_size - 1:  # get_model builds a rank's chunks in order
                 stage_copies.connect(self.pseudo_chunks)
+                self._save_copies_reshardable(run_args)
                 self.pseudo_chunks = []
         return model
+
+    def _save_copies_reshardable(self, run_args) -> None:
+        """A set's copies on several stages put each of their parameters in a gradient bucket of its own
+        (``stage_copies``); with the distributed optimizer over several data-parallel ranks, a rank's share of a
+        small one holds no parameter, which Megatron's default checkpoint format refuses ("empty bucket
+        encountered"). The pseudo stage then saves in the fully reshardable format (the pseudo model's state is
+        small); the real stage in the one the command asks for."""
+        if run_args.use_distributed_optimizer and stage_copies.holds_copies(self.pseudo_chunks) \
+                and not run_args.dist_ckpt_optim_fully_reshardable:
+            run_args.dist_ckpt_optim_fully_reshardable = True
+            self.restore_at_delink["dist_ckpt_optim_fully_reshardable"] = False
 
     def train_step(self, original: Callable) -> Callable:
         def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, *rest, **kw):
@@ -330,6 +343,8 @@ class PseudoToRealRun:
 
         run_args = self.get_args()
         self.pseudo_stage = False
+        for name, value in self.restore_at_delink.items():
+            setattr(run_args, name, value)
 
         def build_wrapped():
             # Build the real model and optimizer as the script's set-up does, without loading its checkpoint again.
@@ -499,7 +514,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(USAGE + "\n\nRuns SCRIPT (a Megatron-LM pretraining script such as pretrain_gpt.py) unchanged, with "
               "these flags added to Megatron's parser (SCRIPT --help lists them with Megatron's):\n"
               "  --pseudo-to-real-switch-iter N, --pseudo-to-real-groups G,\n"
-              "  --pseudo-to-real-optimizer-state {copy,reset,scale}, --m6-expert-prototypes K")
+              "  --pseudo-to-real-optimizer-state {copy,reset,scale}, --pseudo-to-real-real-layout KEY=N,...,\n"
+              "  --m6-expert-prototypes K")
         return 0 if argv else 2
     script = argv[0]
     if not os.path.isfile(script):

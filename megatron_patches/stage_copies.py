@@ -67,6 +67,11 @@ def _chunk_copies(model_chunks: Sequence[torch.nn.Module]) -> List[StageCopies]:
             if isinstance(getattr(m, "stage_copies", None), StageCopies)]
 
 
+def holds_copies(model_chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether this rank's chunks hold a copy of a set that other stages (or virtual stages) hold too."""
+    return bool(_chunk_copies(model_chunks))
+
+
 def _held(copies: Sequence[StageCopies]) -> Dict[int, List[Tuple[torch.nn.Module, int]]]:
     held: Dict[int, List[Tuple[torch.nn.Module, int]]] = {}
     for chunk in copies:
@@ -99,9 +104,8 @@ def connect(model_chunks: Sequence[torch.nn.Module]) -> None:
     with torch.no_grad():
         for g in sorted(held):
             first = [layer for layer, index in held[g] if index == 0]
-            params = list(held[g][0][0].parameters())
-            value = _flatten_dense_tensors([p.data for p in (first[0].parameters() if first else params)])
-            if not first:
+            value = _flatten_dense_tensors([p.data for p in (first or [held[g][0][0]])[0].parameters()])
+            if not first:  # the sum over the holders is then the first copy's values
                 value.zero_()
             if g in groups:
                 dist.all_reduce(value, group=groups[g])

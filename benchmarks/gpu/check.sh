@@ -22,8 +22,13 @@
 #      one: the GPU wall clock to scratch's final loss per seed
 #      (gpu_wall_to_target_ratio_to_scratch, and against the same-schedule scratch), within what is left of
 #      CHECK_SECONDS.
-# CHECK_PARTS (default "offload,delink") picks parts 1-2 (offload), 3 (delink) and 4 (convergence); e.g.
-# CHECK_PARTS=delink,convergence CHECK_SECONDS=540. Without CUDA it runs steps 1 and 3 on the CPU only.
+#   5. (only when CHECK_PARTS names it) layouts: the pseudo model's tokens/s on its own layout (data parallel over
+#      every GPU) against it on the real layouts (TP = PP = the GPU count), side by side in one run on the same GPUs
+#      (benchmarks/layouts.py: Megatron-LM's pretrain_gpt.py through the drop-in, NCCL, bf16); needs 2 or more
+#      GPUs, megatron-core 0.16.1 (the bundle's wheel when missing) and a Megatron-LM checkout of tag core_v0.16.1 in
+#      MEGATRON_LM_PATH (default ../shared/third_party/megatron-lm).
+# CHECK_PARTS (default "offload,delink") picks parts 1-2 (offload), 3 (delink), 4 (convergence) and 5 (layouts);
+# e.g. CHECK_PARTS=delink,convergence CHECK_SECONDS=540. Without CUDA it runs steps 1 and 3 on the CPU only.
 # Usage: bash benchmarks/gpu/check.sh [BUNDLE_DIR, default .whl]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -125,6 +130,27 @@ if want convergence; then
   step 600 convergence "$PY" benchmarks/convergence.py --regime memory_bound --seeds "${SEEDS:-8}" --threads 8 \
     --arms "scratch,scratch budget 200% lr x2,scratch budget 300%,p2r@50% scale budget 200% lr x2 pseudo x0.25 rewarmup 10,stack 2->8 @67% budget 300%" \
     --tag _gpu --out "$OUT"
+fi
+if want layouts; then
+  export MEGATRON_LM_PATH="${MEGATRON_LM_PATH:-$PWD/../shared/third_party/megatron-lm}"
+  gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+  if ! "$PY" -c "import megatron.core, six, regex, einops, yaml" 2>/dev/null; then
+    wheels=$(ls "$BUNDLE"/megatron_core-0.16.1-*.whl "$BUNDLE"/six-*.whl "$BUNDLE"/regex-*.whl "$BUNDLE"/einops-*.whl \
+      "$BUNDLE"/pyyaml-*.whl 2>/dev/null)
+    [ -n "$wheels" ] && "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
+      --target /tmp/ds_pseudo_real_megatron $wheels && export PYTHONPATH="$PYTHONPATH:/tmp/ds_pseudo_real_megatron"
+  fi
+  if [ "$cuda" != 1 ] || [ "$gpus" -lt 2 ]; then
+    echo "== layouts: skipped, it needs 2 or more GPUs (found $gpus, CUDA $cuda)"
+  elif ! "$PY" -c "import megatron.core, six, regex, einops, yaml" 2>/dev/null \
+      || [ ! -f "$MEGATRON_LM_PATH/pretrain_gpt.py" ]; then
+    echo "== layouts: skipped, it needs megatron-core 0.16.1 and pretrain_gpt.py in MEGATRON_LM_PATH=$MEGATRON_LM_PATH"
+  else
+    # a 16-layer, hidden-2048 pseudo model (one shared set), sequence 2048, 8 micro-batches of 1 per data-parallel rank
+    step 300 layouts "$PY" benchmarks/layouts.py --nproc "$gpus" --layers 16 --hidden 2048 --heads 16 --seq-len 2048 \
+      --vocab 32768 --micro-batch 1 --global-batch $((gpus * 8)) --iters 20 --warmup 5 --bf16 \
+      --real-layout "tp=$gpus" --real-layout "pp=$gpus" --out "$OUT"
+  fi
 fi
 echo "gpu check finished with status $status"
 exit $status

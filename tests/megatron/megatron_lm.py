@@ -52,7 +52,7 @@ class Log:
     """What one run printed: its losses, gradient norms and times (ms) by iteration (the second loss each pass of
     the script logged left out, see the module docstring), the (data, tensor, pipeline) parallel sizes of each pass,
     the parameter count of each model it built on tensor and pipeline rank 0, in order (and on every (tensor,
-    pipeline) rank: ``stage_params``), and the drop-in's warnings."""
+    pipeline) rank: ``stage_params``), and the drop-in's warnings (stderr) and notes (stdout)."""
 
     def __init__(self, stdout: str, stderr: str = ""):
         passes = [LOSS.findall(text) for text in LAYOUT.split(stdout)[::LAYOUT.groups + 1]]
@@ -70,6 +70,7 @@ class Log:
         for rank, n in counts:
             self.stage_params.setdefault(rank, []).append(n)
         self.warnings = [line for line in stderr.splitlines() if line.startswith("[megatron_patches] WARNING")]
+        self.notes = [line for line in stdout.splitlines() if line.startswith("[megatron_patches] ")]
 
 
 def pretrain(nproc: int, *flags: str, cwd: Path, expect_ok: bool = True, env_extra: Optional[dict] = None

@@ -129,6 +129,7 @@ def test_help_lists_the_flags_with_defaults(tmp_path):
     group = help_text.split("pseudo-to-real and M6 (megatron_patches):", 1)[1]
     for flag, default in [("--pseudo-to-real-switch-iter", "Default: None"), ("--pseudo-to-real-groups", "Default: 1"),
                           ("--pseudo-to-real-optimizer-state {copy,reset,scale}", "Default: copy"),
+                          ("--pseudo-to-real-real-layout KEY=N,...", "Default: None (one layout)"),
                           ("--m6-expert-prototypes", "Default: None")]:
         assert default in group.split(flag, 1)[1][:400], flag
 
