@@ -13,6 +13,15 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``--dist loadgroup`` (.ci/run runs ``-n 2``): a test file stays on one worker, so that its
+    module fixtures (trained engines, launched runs) are built once, and the SLURM files share one worker, since their
+    jobs share the clusters' few CPUs and would otherwise queue behind each other's time limits."""
+    for item in items:
+        path = Path(str(item.fspath)).relative_to(REPO / "tests")
+        item.add_marker(pytest.mark.xdist_group("slurm" if path.parts[0] == "slurm" else str(path)))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -112,7 +112,8 @@ def test_m6_moe_expert_parallel_2_bf16_two_groups(tmp_path):
 def test_m6_refuses_biases_naming_the_flag():
     """Checked at the first model build (test_flag_errors_read_like_megatrons sees that check from the script)."""
     args = Namespace(pseudo_to_real_switch_iter=3, pseudo_to_real_groups=1, num_layers=4, m6_expert_prototypes=2,
-                     num_experts=4, moe_router_topk=2, moe_router_load_balancing_type="none", add_bias_linear=True)
+                     num_experts=4, moe_router_topk=2, moe_router_load_balancing_type="none", add_bias_linear=True,
+                     pseudo_to_real_real_layout=None)
     with pytest.raises(AssertionError, match=re.escape(
             "--m6-expert-prototypes needs --disable-bias-linear (M6's experts carry no bias); got Megatron's "
             "default, biases on")):
