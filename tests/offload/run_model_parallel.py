@@ -177,13 +177,15 @@ def params_of(engine):
     return torch.cat([p.detach().float().flatten() for p in engine.module.parameters()])
 
 
-def plan_report(plan, optimizer, model_layers):
+def plan_report(plan, optimizer, model, layers):
     """This rank's plan (group -> numel, level, planned host bytes) beside the bytes the optimizer holds and the
-    parameters this rank's layers have."""
+    parameters this rank has in each of its layers (``layers``: name -> module) and outside them (``other``)."""
     held = optimizer.held_bytes_by_group()
+    local = {name: sum(p.numel() for p in layer.parameters()) for name, layer in layers.items()}
+    local["other"] = sum(p.numel() for p in model.parameters()) - sum(local.values())
     return {p.group.name: {"numel": p.group.numel, "level": p.level.value, "planned_host": p.bytes.host,
-                           "held_host": held[p.group.name]["host"],
-                           "local_numel": model_layers.get(p.group.name)} for p in plan.placements}
+                           "held_host": held[p.group.name]["host"], "local_numel": local[p.group.name]}
+            for p in plan.placements}
 
 
 def run_tensor_parallel(case, stage, mpu):
@@ -196,9 +198,9 @@ def run_tensor_parallel(case, stage, mpu):
     engine, *_ = ds_pseudo_real.initialize(model=model, mpu=mpu, config={
         **config(stage, clip), "granular_offload": {"levels": LEVELS["tp"]}})
     optimizer = basic_optimizer(engine.engine)
-    layers = {f"layer{i}": sum(p.numel() for p in layer.parameters()) for i, layer in enumerate(model.layers)}
-    report = plan_report(engine.offload_plan, optimizer, layers)
     losses, norms = train_tensor_parallel(engine)
+    layers = {f"layer{i}": layer for i, layer in enumerate(model.layers)}
+    report = plan_report(engine.offload_plan, optimizer, model, layers)  # host buffers are made at the first step
     return ref_losses, ref_norms, ref_params, losses, norms, params_of(engine), report
 
 
@@ -212,10 +214,9 @@ def run_pipeline(stage):
     optimizer, patched, plan = build_offload_optimizer(model, full, "layers", model.mpu().get_data_parallel_world_size())
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
     attach_to_engine(engine)
-    layers = {f"layer{name}": sum(p.numel() for p in layer.parameters()) for name, layer in model.named_children()
-              if name.isdigit()}
-    report = plan_report(plan, optimizer, layers)
     losses, norms = train_pipeline(engine)
+    layers = {f"layer{name}": layer for name, layer in model.named_children() if name.isdigit()}
+    report = plan_report(plan, optimizer, model, layers)
     params = params_of(engine)
     optimizer.remove_hooks()
     engine.destroy()
