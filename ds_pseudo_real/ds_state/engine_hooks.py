@@ -11,7 +11,7 @@ from deepspeed.runtime.utils import combine_grad_norm_groups
 from .layout import basic_optimizer
 
 
-def include_in_gradient_norm(engine, extra_norm: Callable[[], torch.Tensor]) -> Callable[[], Tuple[Any, float]]:
+def include_in_gradient_norm(engine, extra_norm: Callable[[bool], torch.Tensor]) -> Callable[[], Tuple[Any, float]]:
     """Make the global gradient norm of ``engine``'s ZeRO 1/2 or bf16 optimizer include ``extra_norm(summed)`` (the
     L2 norm of gradients it does not hold, already reduced over the data-parallel ranks; ``summed``: over the
     model-parallel group too, else this rank's part), so that it clips with the whole model's norm. Returns a
