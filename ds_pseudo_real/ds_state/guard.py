@@ -50,7 +50,8 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
         "TorchCheckpointEngine": ("save", "zipfile_serialization"),
     },
     # its own groups (host_params outside DeepSpeed's optimizer): norm, overflow, zero_grad, the groups; used by
-    # engine_hooks, process_groups, moments (the CPU Adam kernel), ds_pseudo_real.offload (the dtype, the CPU Adam kernel)
+    # engine_hooks, process_groups, moments (the CPU Adam kernel), ds_pseudo_real.offload (the dtype, the CPU Adam
+    # kernel)
     "granular_offload": {
         "DeepSpeedEngine": ("communication_data_type", "mpu"),
         "deepspeed.utils.groups": ("_get_data_parallel_group", "_get_expert_data_parallel_group"),

@@ -11,7 +11,8 @@ def pipeline_stage_layers(model: nn.Module) -> Optional[Tuple[List[Tuple[int, nn
     """For a ``PipelineModule``: ``(index, layer)`` for each layer of its specs this stage built, and how many specs
     the whole pipeline has; None for any other module. ``PipelineModule._build`` registers each built ``LayerSpec``
     (or module) as a child named by its position among all the specs (its parameter names and per-layer checkpoint
-    files use it); a ``TiedLayerSpec``'s module lives in ``tied_modules`` instead, and a plain function holds nothing."""
+    files use it); a ``TiedLayerSpec``'s module lives in ``tied_modules`` instead, and a plain function holds
+    nothing."""
     from deepspeed.pipe import PipelineModule
 
     if not isinstance(model, PipelineModule):

@@ -211,7 +211,8 @@ def run_pipeline(stage):
     ref.destroy()
     model = pipeline_model()
     full = {**config(stage, 0.0, MICRO_BATCHES), "granular_offload": {"levels": LEVELS["pp"]}}
-    optimizer, patched, plan = build_offload_optimizer(model, full, "layers", model.mpu().get_data_parallel_world_size())
+    data_parallel = model.mpu().get_data_parallel_world_size()
+    optimizer, patched, plan = build_offload_optimizer(model, full, "layers", data_parallel)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
     attach_to_engine(engine)
     losses, norms = train_pipeline(engine)
