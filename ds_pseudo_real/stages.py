@@ -184,24 +184,22 @@ def return_freed_host_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-def refuse_model_parallelism(mpu, ds_config: Mapping[str, Any]) -> None:
-    """Granular offload is written for data (and expert) parallelism: its groups outside DeepSpeed's optimizer
-    are reduced over DeepSpeed's data-parallel group, but tensor, pipeline or sequence parallel layers (split
-    parameters, stages, sequence shards) are not handled, so they are refused until supported."""
+def refuse_model_parallelism(ds_config: Mapping[str, Any]) -> None:
+    """Granular offload plans the layers and slices a rank holds when it is given the model, and reduces its own
+    groups over DeepSpeed's data-parallel group (the mpu's under tensor or pipeline parallelism). Two layouts break
+    that and are refused: DeepSpeed's AutoTP splits the layers inside ``deepspeed.initialize``, after the plan and
+    the optimizer's groups were made from the whole ones; sequence parallelism (Ulysses) averages gradients over
+    the sequence-data-parallel group, which the own groups' reduction does not use."""
     sizes = {
-        "tensor parallel (mpu)": getattr(mpu, "get_tensor_model_parallel_world_size", lambda: 1)(),
-        "pipeline parallel (mpu)": getattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 1)(),
-        # the mpu interface DeepSpeed documents (Megatron-DeepSpeed's) and its pipeline grid name them so
-        "model parallel (mpu)": getattr(mpu, "get_model_parallel_world_size", lambda: 1)(),
-        "pipeline parallel (mpu grid)": getattr(mpu, "get_pipe_parallel_world_size", lambda: 1)(),
         "tensor_parallel.autotp_size": (ds_config.get("tensor_parallel") or {}).get("autotp_size", 1),
         "sequence_parallel_size": ds_config.get("sequence_parallel_size", 1),
     }
     used = {name: size for name, size in sizes.items() if size and size > 1}
     if used:
         raise ConfigError(
-            f"granular_offload works with data (and expert) parallelism only; this run has {used}. Remove the "
-            f"granular_offload section, or run without tensor, pipeline and sequence parallelism"
+            f"granular_offload works with data, expert, tensor (layers split by the model, an mpu given) and "
+            f"pipeline parallelism; this run has {used}. Remove the granular_offload section, or split the layers "
+            f"in the model (Megatron-style, with an mpu) instead of AutoTP, and run without sequence parallelism"
         )
 
 
@@ -274,7 +272,7 @@ class StageBuilder:
         if self._granular:
             from .offload import build_offload_optimizer, describe_offload_plan
 
-            refuse_model_parallelism(self._mpu, self._full_config)
+            refuse_model_parallelism(self._full_config)
             client, ds_config, plan = build_offload_optimizer(model, self._full_config, self.layer_path,
                                                               self._data_parallel_size())
             if client is not None:

@@ -49,11 +49,14 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
         "DeepSpeedEngine": ("checkpoint_engine",),
         "TorchCheckpointEngine": ("save", "zipfile_serialization"),
     },
-    # its own groups (host_params outside DeepSpeed's optimizer): norm, overflow, zero_grad; used by engine_hooks,
-    # process_groups, moments (the CPU Adam kernel), ds_pseudo_real.offload (the dtype, the CPU Adam kernel)
+    # its own groups (host_params outside DeepSpeed's optimizer): norm, overflow, zero_grad, the groups; used by
+    # engine_hooks, process_groups, moments (the CPU Adam kernel), ds_pseudo_real.offload (the dtype, the CPU Adam
+    # kernel)
     "granular_offload": {
-        "DeepSpeedEngine": ("communication_data_type",),
+        "DeepSpeedEngine": ("communication_data_type", "mpu"),
         "deepspeed.utils.groups": ("_get_data_parallel_group", "_get_expert_data_parallel_group"),
+        "deepspeed.utils.bwc": ("bwc_tensor_model_parallel_rank",),
+        "deepspeed.runtime.utils": ("is_model_parallel_parameter",),
         "DeepSpeedCPUAdam": ("ds_opt_adam.adam_update", "opt_id"),
         "engine.optimizer": {
             "DeepSpeedZeroOptimizer": ("scaled_global_norm", "_global_grad_norm", "loss_scale", "zero_grad"),

@@ -18,11 +18,11 @@ from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.offload.config import (
     SECTION, GranularOffloadConfig, explicit_levels, parse_granular_offload, training_setup,
 )
+from ds_pseudo_real.offload.layers import rank_layers
 from ds_pseudo_real.offload.optimizer import GranularOffloadOptimizer
 from ds_pseudo_real.offload.planner import (
     EXPERTS, OTHER, GroupSize, OffloadPlan, PlacementLevel, PlanError, describe_plan, place, plan_placement,
 )
-from ds_pseudo_real.sharing import get_layer_list
 
 ADAM_TYPES = {"adam": None, "adamw": True}  # DeepSpeed: "Adam" takes adam_w_mode (default True), "AdamW" forces it
 ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
@@ -47,7 +47,9 @@ def _expert_data_parallel_sizes(model: nn.Module, world_size: int) -> Dict[str, 
 def model_groups(model: nn.Module, layer_path: str, world_size: int = 1
                  ) -> Tuple[List[GroupSize], List[List[nn.Parameter]]]:
     """One group per layer that owns parameters not seen in an earlier layer, then one ``layer<i>.experts`` per
-    layer owning DeepSpeed MoE expert parameters (``allreduce=False``), then ``other`` for the rest.
+    layer owning DeepSpeed MoE expert parameters (``allreduce=False``), then ``other`` for the rest: of the layers
+    this rank holds (:func:`~ds_pseudo_real.offload.layers.rank_layers`: a pipeline stage's own, numbered as in the
+    whole model), at the size they have here (a tensor-parallel slice's).
 
     Parameters shared between layers (a pseudo model) belong to the first layer using them, counted once;
     ``uses`` says how many layers run with them. Parameters that do not require grad are left out. An expert
@@ -55,14 +57,14 @@ def model_groups(model: nn.Module, layer_path: str, world_size: int = 1
     expert parameters outside the layer list or of two expert groups in one layer (DeepSpeed reduces each
     optimizer group over one expert-data-parallel group).
     """
-    layers = get_layer_list(model, layer_path)
+    layers, _ = rank_layers(model, layer_path)
     expert_dp = _expert_data_parallel_sizes(model, world_size)
     uses: Dict[int, int] = {}
-    for layer in layers:
+    for _, layer in layers:
         for p in set(layer.parameters()):
             uses[id(p)] = uses.get(id(p), 0) + 1
     seen, dense, experts = set(), [], []
-    for i, layer in enumerate(layers):
+    for i, layer in layers:
         own = [p for p in layer.parameters() if id(p) not in seen and p.requires_grad]
         seen.update(id(p) for p in layer.parameters())
         plain = [p for p in own if not is_moe_param(p)]
@@ -114,9 +116,10 @@ def adam_arguments(ds_config: Mapping[str, Any]) -> Dict[str, Any]:
 def _plan(model: nn.Module, ds_config: Mapping[str, Any], section: GranularOffloadConfig, layer_path: str,
           world_size: int) -> Tuple[List[GroupSize], List[List[nn.Parameter]], OffloadPlan]:
     sizes, params = model_groups(model, layer_path, world_size)
-    setup = training_setup(ds_config, section, world_size, len(get_layer_list(model, layer_path)))
+    layers, num_layers = rank_layers(model, layer_path)
+    setup = training_setup(ds_config, section, world_size, len(layers))
     if section.levels is not None:
-        plan = place(sizes, explicit_levels(section, sizes, len(get_layer_list(model, layer_path))), setup)
+        plan = place(sizes, explicit_levels(section, sizes, num_layers), setup)
     else:
         plan = plan_placement(sizes, setup, section.device_memory, PlacementLevel(section.max_level))
     return sizes, params, plan
@@ -205,7 +208,9 @@ def attach_to_engine(engine) -> None:
     whole model; an inf or NaN there makes DeepSpeed skip the step), drop them whenever DeepSpeed zeroes its gradients
     (after every step, a skipped one included) and reduce them in the engine's communication dtype over its
     data-parallel group (experts: their expert-data-parallel group, divided by the data-parallel size, as DeepSpeed
-    does). Nothing to do for other optimizers."""
+    does). Under model parallelism (the engine's mpu, a pipeline's grid) their norm is counted as DeepSpeed counts its
+    own and summed over the model-parallel group, on every rank of it whether it has own groups or not. Nothing to
+    do for other optimizers."""
     optimizer = ds_state.basic_optimizer(engine)
     if not isinstance(optimizer, GranularOffloadOptimizer):
         return
@@ -214,10 +219,17 @@ def attach_to_engine(engine) -> None:
         optimizer.host_params.adopt_all()
         if engine.zero_optimization_stage() == 0:  # the engine all-reduces every gradient, a missing one made on
             ds_state.before_gradient_reduction(engine, optimizer.host_params.give_missing_gradients)  # the host
+    model_parallel_group, tensor_parallel_rank = ds_state.model_parallel(engine)
+    wrapped = engine.optimizer is not optimizer  # DeepSpeed's ZeRO 1/2 or bf16 optimizer takes the norm
+    if optimizer.own_param_groups or (model_parallel_group is not None and wrapped):
+        # under model parallelism every rank of the group joins the own norm's all-reduce (a pipeline stage or a
+        # slice may have no own groups while another has), wherever DeepSpeed's optimizer takes the norm
+        optimizer.own_gradients.model_parallel_group = model_parallel_group
+        optimizer.own_gradients.tensor_parallel_rank = tensor_parallel_rank
+        optimizer.global_grad_norm = ds_state.include_in_gradient_norm(engine, optimizer.own_grad_norm)
     if optimizer.own_param_groups:
         if ds_state.steps_when_built(engine):
             optimizer.zero_gradient_step()
-        optimizer.global_grad_norm = ds_state.include_in_gradient_norm(engine, optimizer.own_grad_norm)
         ds_state.drop_gradients_with(engine, optimizer.drop_own_gradients)
         optimizer.communication_dtype = engine.communication_data_type
         optimizer.reduce_group = ds_state.data_parallel_group()
