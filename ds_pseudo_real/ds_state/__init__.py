@@ -14,6 +14,7 @@
     host_broadcast        the one class-level patch: the model broadcast sends host tensors through the device
     monitors              one monitor per run, rewound on resume, a failed write a warning
     retire                a module its engine no longer trains, cut loose from that engine
+    pipeline              a PipelineModule's layer specs read, a module like it built from others, tied weights synced
 
 Each module imports only modules above it in this list. The names used outside the package are re-exported
 below (``ds_state.full_moments``). A replacement (a test's monkeypatch) goes where the name is looked up: in the
@@ -42,3 +43,4 @@ from .engine_hooks import before_gradient_reduction, drop_gradients_with, includ
 from .host_broadcast import HOST_BROADCAST_CHUNK_BYTES, route_host_broadcasts, unroute_host_broadcasts
 from .monitors import MONITOR_SECTIONS, rewind_monitors, warn_on_failed_monitor_writes, without_monitors
 from .retire import retire_module
+from .pipeline import is_pipeline_module
