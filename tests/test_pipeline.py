@@ -46,7 +46,7 @@ def _spec(cls):
 
 def test_layers_are_named_by_class_and_tied_per_group():
     specs = [_spec(pipeline_delink.Embed), *[_spec(pipeline_delink.Block) for _ in range(4)],
-             _spec(pipeline_delink.Head)]
+             _spec(pipeline_delink.Embed)]
     indices = layer_indices(specs, "type:block")  # case-insensitive, as DeepSpeed's partition_method
     assert indices == [1, 2, 3, 4]
     tied = stage_specs(specs, indices, 2, ["fc.weight"])
@@ -83,8 +83,7 @@ def test_what_a_pipeline_cannot_do_is_refused(change, message):
     deepspeed.init_distributed()
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    specs = [LayerSpec(pipeline_delink.Embed), *[LayerSpec(pipeline_delink.Block) for _ in range(4)],
-             LayerSpec(pipeline_delink.Head)]
+    specs = [LayerSpec(pipeline_delink.Embed), *[LayerSpec(pipeline_delink.Block) for _ in range(4)]]
     cfg = pipeline_delink.config(1, 1, "copy")
     section = {k: v for k, v in cfg["pseudo_to_real"].items() if k not in ("groups", "switch")} \
         if "schedule" in change else cfg["pseudo_to_real"]

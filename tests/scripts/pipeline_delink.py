@@ -1,5 +1,5 @@
-"""Pseudo-to-Real on DeepSpeed's pipeline engine: a PipelineModule of 4 identical blocks (between an embedding and a
-head) over 2 stages, its blocks tied with TiedLayerSpec in the pseudo stage (groups 1: one set over both stages,
+"""Pseudo-to-Real on DeepSpeed's pipeline engine: a PipelineModule of 4 identical blocks between an embedding and
+a head that is the embedding (the model's own TiedLayerSpec, on both stages) over 2 stages, its blocks tied with TiedLayerSpec in the pseudo stage (groups 1: one set over both stages,
 DeepSpeed all-reducing its gradients between them; groups 2: one set inside each stage), delinked at step 3.
 
 Run under torchrun on 2 ranks (2 stages) or 4 (2 stages x 2 data-parallel ranks); every rank prints one
@@ -17,7 +17,7 @@ from torch import nn
 import ds_pseudo_real
 from ds_pseudo_real import ds_state
 from ds_pseudo_real.callbacks import TrainingCallback
-from ds_pseudo_real.pipeline import mapped_name
+from ds_pseudo_real.pipeline import TIE_KEY, mapped_name
 from ds_pseudo_real.sharing import source_parameter
 
 SWITCH, STEPS, LAYERS, WIDTH, VOCAB = 3, 6, 4, 16, 64
@@ -43,13 +43,9 @@ class Block(nn.Module):
         return x + torch.tanh(self.fc(self.ln(x)))
 
 
-class Head(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.out = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, x):
-        return self.out(x)
+def unembed(embed, x):
+    """The head: the embedding's own weight (tied, as GPT models tie them), on the last stage."""
+    return x @ embed.emb.weight.t()
 
 
 def loss_fn(logits, labels):
@@ -57,14 +53,17 @@ def loss_fn(logits, labels):
 
 
 def pipeline_module():
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     torch.manual_seed(0)
-    specs = [LayerSpec(Embed), *[LayerSpec(Block) for _ in range(LAYERS)], LayerSpec(Head)]
+    specs = [TiedLayerSpec("embed", Embed, tied_weight_attr=["emb.weight"]),
+             *[LayerSpec(Block) for _ in range(LAYERS)],
+             TiedLayerSpec("embed", Embed, forward_fn=unembed, tied_weight_attr=["emb.weight"])]
     return PipelineModule(specs, num_stages=2, loss_fn=loss_fn, partition_method="type:Block")
 
 
 LAYER_OF = {index: index - 1 for index in range(1, LAYERS + 1)}  # spec index -> layer
+EMBEDDING = "tied_modules.embed.emb.weight"
 
 
 def config(zero, groups, policy):
@@ -136,7 +135,7 @@ def run_case(zero, groups, policy, folder):
     engine, *_ = ds_pseudo_real.initialize(model=pipeline_module(), config=config(zero, groups, policy),
                                            callbacks=[before])
     ref[0] = engine
-    pseudo_sets = len({id(p) for n, p in engine.module.named_parameters() if "tied_modules" in n})
+    pseudo_sets = len({id(p) for n, p in engine.module.named_parameters() if TIE_KEY in n})
     losses = train(engine, 1, 2)
     engine.save_checkpoint(folder, "pseudo")
     losses += train(engine, 3, SWITCH)
@@ -162,7 +161,8 @@ def run_case(zero, groups, policy, folder):
         "moments_ok": all(torch.equal(moments[k], expected[k]) for k in expected),
         "adam_step": None if step is None else float(step), "pseudo_adam_step": before.seen["adam_step"],
         "final_stage": engine.stage, "global_steps": engine.global_steps, "pseudo_sets": pseudo_sets,
-        "real_tied": sum("tied_modules" in n for n, _ in engine.module.named_parameters()),
+        "real_tied": sum(TIE_KEY in n for n, _ in engine.module.named_parameters()),
+        "embedding_tied": EMBEDDING in dict(engine.module.named_parameters()),
         "tied_sums": None,
     }
     sums = [None] * dist.get_world_size()
@@ -192,6 +192,7 @@ def check(result):
     assert result["adam_step"] == result["pseudo_adam_step"] == SWITCH, tag
     assert result["final_stage"] == "real" and result["global_steps"] == STEPS, tag
     assert result["real_tied"] == 0, f"{tag}: the real module still ties {result['real_tied']} parameters"
+    assert result["embedding_tied"], f"{tag}: the model's own tie (embedding and head) is gone in the real module"
     # one tied set on each rank with groups 1 (both stages hold it), one per stage's group with groups 2
     assert result["pseudo_sets"] == 4, f"{tag}: {result['pseudo_sets']} tied parameters (Block has 4)"
     if result["groups"] == 1:  # the set DeepSpeed keeps on both stages stayed equal: its gradient was all-reduced
