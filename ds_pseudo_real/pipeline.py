@@ -174,6 +174,9 @@ class PipelineStageBuilder(StageBuilder):
     def _mapped_name(self, name: str) -> str:
         return mapped_name(name, self._layer_of)
 
+    def _total_parameter_numel(self, model: nn.Module) -> int:
+        return ds_pipeline.total_parameter_numel(model)
+
     def _by_model_name(self, values: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         return ByModelName(values, self.engine.module, self._mapped_name)
 

@@ -291,6 +291,10 @@ class StageBuilder:
         """The name the delink maps for the model's parameter ``name``: the same here."""
         return name
 
+    def _total_parameter_numel(self, model: nn.Module) -> int:
+        """The model's distinct parameter elements over every rank (collective)."""
+        return ds_state.total_parameter_numel(model)
+
     def _by_mapped_name(self, values: Dict[str, Any]) -> Dict[str, Any]:
         return {self._mapped_name(name): value for name, value in values.items()}
 
@@ -447,7 +451,7 @@ class StageBuilder:
 
         old_engine = self.engine
         pseudo_numel = parameter_numel(old_engine.module)
-        pseudo_total = ds_state.total_parameter_numel(old_engine.module)
+        pseudo_total = self._total_parameter_numel(old_engine.module)
         pseudo_memory = ds_state.memory_report(old_engine)
         pseudo_plan = self.offload_plan
         weights, moments = ds_state.gather_full_state(old_engine, self._policy != OptimizerStatePolicy.RESET.value,
@@ -499,7 +503,7 @@ class StageBuilder:
             "parameters_before": pseudo_numel,  # this rank's
             "parameters_after": parameter_numel(engine.module),
             "parameters_before_total": pseudo_total,  # the model's, over every rank
-            "parameters_after_total": ds_state.total_parameter_numel(engine.module),
+            "parameters_after_total": self._total_parameter_numel(engine.module),
             "optimizer_state": self._policy,
             "moments_carried": carried,
             "memory_before": pseudo_memory,

@@ -67,3 +67,18 @@ def synchronize_tied_weights(module: PipelineModule) -> None:
     """Collective over each tied module's stages: its tied parameters broadcast from the lowest rank holding it
     (on DeepSpeed's pipe-major topologies, the first stage that holds one of its layers)."""
     module._synchronize_tied_weights()
+
+
+def total_parameter_numel(module: PipelineModule) -> int:
+    """The pipeline's distinct parameter elements over its stages, what DeepSpeed's pipeline engine logs as
+    UNIQUE_PARAMS: a collective over the module's model-parallel group, a tied module counted on the lowest rank
+    that holds it only."""
+    from deepspeed import comm
+
+    local = sum(p.numel() for p in module.parameters())
+    for tied in module.tied_comms.values():
+        if module.global_rank != min(tied["ranks"]):
+            local -= sum(p.numel() for p in tied["module"].parameters())
+    total = torch.tensor([local], dtype=torch.long, device=next(module.parameters()).device)
+    comm.all_reduce(total, group=module.mpu().get_model_parallel_group())
+    return int(total.item())

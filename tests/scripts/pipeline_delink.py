@@ -66,8 +66,8 @@ LAYER_OF = {index: index - 1 for index in range(1, LAYERS + 1)}  # spec index ->
 EMBEDDING = "tied_modules.embed.emb.weight"
 
 
-def config(zero, groups, policy):
-    return {
+def config(zero, groups, policy, dtype="fp32"):
+    cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": MICRO_BATCHES,
         "steps_per_print": 10**9,
@@ -76,6 +76,9 @@ def config(zero, groups, policy):
         "pseudo_to_real": {"layers": "type:Block", "groups": groups, "switch": {"at_step": SWITCH},
                            "optimizer_state": policy},
     }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
 def batches(step, data_rank):
@@ -128,11 +131,11 @@ def train(engine, first, last):
     return [engine.train_batch(iter(batches(step, data_rank(engine)))).item() for step in range(first, last + 1)]
 
 
-def run_case(zero, groups, policy, folder):
+def run_case(zero, groups, policy, dtype, folder):
     rank = dist.get_rank()
     ref = [None]
     before = BeforeDelink(ref)
-    engine, *_ = ds_pseudo_real.initialize(model=pipeline_module(), config=config(zero, groups, policy),
+    engine, *_ = ds_pseudo_real.initialize(model=pipeline_module(), config=config(zero, groups, policy, dtype),
                                            callbacks=[before])
     ref[0] = engine
     pseudo_sets = len({id(p) for n, p in engine.module.named_parameters() if TIE_KEY in n})
@@ -155,7 +158,7 @@ def run_case(zero, groups, policy, folder):
     engine.save_checkpoint(folder, "real")
     losses += train(engine, 6, STEPS)
     result = {
-        "rank": rank, "zero": zero, "groups": groups, "policy": policy, "stage_id": engine.engine.stage_id,
+        "rank": rank, "zero": zero, "groups": groups, "policy": policy, "dtype": dtype, "stage_id": engine.engine.stage_id,
         "pre": before.seen["loss"], "post": post, "losses": losses, "masters_differ": differ,
         "probe": [before.seen["probe"], name],
         "moments_ok": all(torch.equal(moments[k], expected[k]) for k in expected),
@@ -164,6 +167,7 @@ def run_case(zero, groups, policy, folder):
         "real_tied": sum(TIE_KEY in n for n, _ in engine.module.named_parameters()),
         "embedding_tied": EMBEDDING in dict(engine.module.named_parameters()),
         "tied_sums": None,
+        "parameters_total": [engine.last_transition[f"parameters_{when}_total"] for when in ("before", "after")],
     }
     sums = [None] * dist.get_world_size()
     dist.all_gather_object(sums, before.seen["tied_sum"])
@@ -172,7 +176,7 @@ def run_case(zero, groups, policy, folder):
 
     resumed = {}
     for tag, first in (("pseudo", 3), ("real", 6)):
-        engine, *_ = ds_pseudo_real.initialize(model=pipeline_module(), config=config(zero, groups, policy))
+        engine, *_ = ds_pseudo_real.initialize(model=pipeline_module(), config=config(zero, groups, policy, dtype))
         engine.load_checkpoint(folder, tag)
         resumed[tag] = {"stage": engine.stage, "step": engine.global_steps,
                         "losses": train(engine, first, STEPS), "final_stage": engine.stage}
@@ -181,17 +185,22 @@ def run_case(zero, groups, policy, folder):
     return result
 
 
-CASES = [(1, 1, "copy"), (0, 2, "scale")]
+# (ZeRO stage, groups, optimizer_state, dtype); bf16: the fp32 masters carried, the bf16 weights made from them
+CASES = [(1, 1, "copy", "fp32"), (0, 2, "scale", "fp32"), (1, 1, "copy", "bf16")]
 
 
 def check(result):
-    tag = f"rank {result['rank']} ZeRO-{result['zero']} groups {result['groups']} {result['policy']}"
+    tag = (f"rank {result['rank']} ZeRO-{result['zero']} groups {result['groups']} {result['policy']} "
+           f"{result['dtype']}")
     assert result["pre"] == result["post"], f"{tag}: loss changed across the delink {result['pre']} -> {result['post']}"
     assert not result["masters_differ"], f"{tag}: masters not carried: {result['masters_differ']}"
     assert result["moments_ok"], f"{tag}: moments not carried per policy ({result['probe']})"
     assert result["adam_step"] == result["pseudo_adam_step"] == SWITCH, tag
     assert result["final_stage"] == "real" and result["global_steps"] == STEPS, tag
     assert result["real_tied"] == 0, f"{tag}: the real module still ties {result['real_tied']} parameters"
+    # the whole pipeline's parameters, each tied set once: the embedding (= head), the blocks' sets
+    block = 2 * WIDTH + WIDTH * WIDTH + WIDTH
+    assert result["parameters_total"] == [VOCAB * WIDTH + result["groups"] * block, VOCAB * WIDTH + LAYERS * block], tag
     assert result["embedding_tied"], f"{tag}: the model's own tie (embedding and head) is gone in the real module"
     # one tied set on each rank with groups 1 (both stages hold it), one per stage's group with groups 2
     assert result["pseudo_sets"] == 4, f"{tag}: {result['pseudo_sets']} tied parameters (Block has 4)"
