@@ -2,8 +2,8 @@
 a head that is the embedding (the model's own TiedLayerSpec, on both stages) over 2 stages, its blocks tied with TiedLayerSpec in the pseudo stage (groups 1: one set over both stages,
 DeepSpeed all-reducing its gradients between them; groups 2: one set inside each stage), delinked at step 3.
 
-Run under torchrun on 2 ranks (2 stages) or 4 (2 stages x 2 data-parallel ranks); every rank prints one
-``RESULT {json}`` line per case. Each case: the loss on a fixed batch right before and right after the delink, the
+Run under torchrun on 2 ranks (2 stages) or 4 (2 stages x 2 data-parallel ranks); rank 0 prints every rank's
+``RESULT {json}`` line of each case. Each case: the loss on a fixed batch right before and right after the delink, the
 fp32 masters and Adam moments carried, the tied set equal on every stage that holds it, and the run resumed from
 its pseudo checkpoint (step 2) and from its real one (step 5) with the same losses."""
 import json
@@ -221,7 +221,11 @@ if __name__ == "__main__":
     failed = 0
     for case in CASES:
         out = run_case(*case, os.path.join(folder, "-".join(map(str, case))))
-        print("RESULT " + json.dumps(out), flush=True)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, out)  # printed by one rank: the ranks' lines would interleave
+        if dist.get_rank() == 0:
+            sys.stdout.write("".join(f"RESULT {json.dumps(result)}\n" for result in every))
+            sys.stdout.flush()
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # as delink_matrix: no interpreter teardown, where a gloo thread can abort a rank after a pass
