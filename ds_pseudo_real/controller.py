@@ -91,9 +91,10 @@ class PseudoToRealController:
         self._pseudo_lr_scale, self._rewarmup_steps = ptr_config.pseudo_lr_scale, ptr_config.rewarmup_steps
         self._track_train_loss = ptr_config.enabled and any(
             t.on_plateau is not None and t.on_plateau.metric == PlateauMetric.TRAINING.value for t in self._triggers)
-        self._stages = stage_builder_class(model)(model, ptr_config, self.ds_config, ds_config, optimizer=optimizer,
-                                    model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=mpu,
-                                    step_hooks=(self._scale_lr, self._unscale_lr))
+        builder = stage_builder_class(model)  # a PipelineModule's, or the layer-list models'
+        self._stages = builder(model, ptr_config, self.ds_config, ds_config, optimizer=optimizer,
+                               model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=mpu,
+                               step_hooks=(self._scale_lr, self._unscale_lr))
         self.layer_path, self.num_layers = self._stages.layer_path, self._stages.num_layers
         self.stages = self._stages.stages
         self.stage_groups = [groups for _, groups in self.stages]

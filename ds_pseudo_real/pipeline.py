@@ -9,7 +9,7 @@ touch DeepSpeed's internals (``ds_state.pipeline`` does) nor checkpoints.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Iterator, List, Mapping, Sequence
+from typing import Iterator, List, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -204,5 +204,5 @@ def stage_builder_class(model: nn.Module) -> type:
     return PipelineStageBuilder if ds_state.is_pipeline_module(model) else StageBuilder
 
 
-__all__: Sequence[Any] = ["PipelineStageBuilder", "layer_indices", "mapped_name", "stage_specs",
+__all__: Sequence[str] = ["PipelineStageBuilder", "layer_indices", "mapped_name", "stage_specs",
                           "stage_builder_class"]

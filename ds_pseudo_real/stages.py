@@ -296,6 +296,7 @@ class StageBuilder:
         return ds_state.total_parameter_numel(model)
 
     def _by_mapped_name(self, values: Dict[str, Any]) -> Dict[str, Any]:
+        """``values`` (by the model's parameter names) by the names the delink maps."""
         return {self._mapped_name(name): value for name, value in values.items()}
 
     def _by_model_name(self, values: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

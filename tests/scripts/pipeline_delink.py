@@ -1,6 +1,7 @@
 """Pseudo-to-Real on DeepSpeed's pipeline engine: a PipelineModule of 4 identical blocks between an embedding and
-a head that is the embedding (the model's own TiedLayerSpec, on both stages) over 2 stages, its blocks tied with TiedLayerSpec in the pseudo stage (groups 1: one set over both stages,
-DeepSpeed all-reducing its gradients between them; groups 2: one set inside each stage), delinked at step 3.
+a head that is the embedding (the model's own TiedLayerSpec, on both stages) over 2 stages, its blocks tied with
+TiedLayerSpec in the pseudo stage (groups 1: one set over both stages, DeepSpeed all-reducing its gradients between
+them; groups 2: one set inside each stage), delinked at step 3.
 
 Run under torchrun on 2 ranks (2 stages) or 4 (2 stages x 2 data-parallel ranks); rank 0 prints every rank's
 ``RESULT {json}`` line of each case. Each case: the loss on a fixed batch right before and right after the delink, the
@@ -158,7 +159,8 @@ def run_case(zero, groups, policy, dtype, folder):
     engine.save_checkpoint(folder, "real")
     losses += train(engine, 6, STEPS)
     result = {
-        "rank": rank, "zero": zero, "groups": groups, "policy": policy, "dtype": dtype, "stage_id": engine.engine.stage_id,
+        "rank": rank, "zero": zero, "groups": groups, "policy": policy, "dtype": dtype,
+        "stage_id": engine.engine.stage_id,
         "pre": before.seen["loss"], "post": post, "losses": losses, "masters_differ": differ,
         "probe": [before.seen["probe"], name],
         "moments_ok": all(torch.equal(moments[k], expected[k]) for k in expected),
