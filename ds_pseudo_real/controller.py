@@ -22,7 +22,7 @@ from .config import (
 )
 from .device import use_rank_device
 from .rank0 import log_rank0
-from .stages import StageBuilder
+from .pipeline import stage_builder_class
 from .transition import StageTransitionCallback, lr_factor
 
 
@@ -91,9 +91,10 @@ class PseudoToRealController:
         self._pseudo_lr_scale, self._rewarmup_steps = ptr_config.pseudo_lr_scale, ptr_config.rewarmup_steps
         self._track_train_loss = ptr_config.enabled and any(
             t.on_plateau is not None and t.on_plateau.metric == PlateauMetric.TRAINING.value for t in self._triggers)
-        self._stages = StageBuilder(model, ptr_config, self.ds_config, ds_config, optimizer=optimizer,
-                                    model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=mpu,
-                                    step_hooks=(self._scale_lr, self._unscale_lr))
+        builder = stage_builder_class(model)  # a PipelineModule's, or the layer-list models'
+        self._stages = builder(model, ptr_config, self.ds_config, ds_config, optimizer=optimizer,
+                               model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=mpu,
+                               step_hooks=(self._scale_lr, self._unscale_lr))
         self.layer_path, self.num_layers = self._stages.layer_path, self._stages.num_layers
         self.stages = self._stages.stages
         self.stage_groups = [groups for _, groups in self.stages]
@@ -109,7 +110,7 @@ class PseudoToRealController:
         self._loss_count = 0
         self._lr_factor = 1.0
         self.last_transition: Optional[Dict[str, Any]] = None
-        self.training_dataloader = self._stages.start(model, self.state.stage, training_data, collate_fn)
+        self.training_dataloader = self._stages.start(self.state.stage, training_data, collate_fn)
         self._checkpoints = CheckpointIO(self._stages, self._run, self.checkpoint_options,
                                          pseudo_to_real=ptr_config.enabled)
         self.callbacks.fire("on_train_begin", self.state, self.control)
@@ -181,18 +182,38 @@ class PseudoToRealController:
 
     def step(self, **kwargs):
         boundary = self.engine.is_gradient_accumulation_boundary()
-        since = None if self.state.switch_step is None else self.engine.global_steps - self.state.switch_step
-        self._lr_factor = lr_factor(self.state.stage == PSEUDO, self._pseudo_lr_scale, since, self._rewarmup_steps)
+        self._lr_factor = self._stage_lr_factor()
         result = self.engine.step(**kwargs)
         self._lr_factor = 1.0
         if boundary:
-            self.state.global_step = self.engine.global_steps
-            if self._track_train_loss and self._loss_count:
-                self.state.last_train_loss = float(self._loss_sum) / self._loss_count
-                self._loss_sum, self._loss_count = None, 0
-            self.callbacks.fire("on_step_end", self.state, self.control)
-            self._maybe_delink()
+            self._step_ended()
         return result
+
+    def train_batch(self, data_iter=None):
+        """A PipelineModule's training step (DeepSpeed's ``PipelineEngine.train_batch``: the batch's micro batches
+        through the pipeline, then one optimizer step), then the callbacks, and the delink when they say so; returns
+        the batch's mean loss, the same on every rank. ``data_iter`` None: the iterator of the ``training_data``
+        given to ``initialize``, read on across the delink."""
+        self._lr_factor = self._stage_lr_factor()
+        loss = self.engine.train_batch(data_iter)
+        self._lr_factor = 1.0
+        if self._track_train_loss:
+            self._loss_sum, self._loss_count = loss.detach().float(), 1
+        self._step_ended()
+        return loss
+
+    def _stage_lr_factor(self) -> float:
+        since = None if self.state.switch_step is None else self.engine.global_steps - self.state.switch_step
+        return lr_factor(self.state.stage == PSEUDO, self._pseudo_lr_scale, since, self._rewarmup_steps)
+
+    def _step_ended(self) -> None:
+        """After an optimizer step: the state, the callbacks, and the delink when they ask for it."""
+        self.state.global_step = self.engine.global_steps
+        if self._track_train_loss and self._loss_count:
+            self.state.last_train_loss = float(self._loss_sum) / self._loss_count
+            self._loss_sum, self._loss_count = None, 0
+        self.callbacks.fire("on_step_end", self.state, self.control)
+        self._maybe_delink()
 
     def _scale_lr(self, optimizer, *_):
         """Step pre-hook: the stage's LR factor (``pseudo_lr_scale``, the re-warmup) applies to this optimizer step

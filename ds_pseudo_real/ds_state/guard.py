@@ -68,6 +68,15 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
             OPTIMIZER_AS_GIVEN: (),  # fp32 ZeRO 0 has no own groups
         },
     },
+    # a PipelineModule's stages rebuilt with their layers tied or untied, the data iterator carried to the next
+    # engine; used by pipeline and ds_pseudo_real.pipeline
+    "pipeline": {
+        "PipelineModule": ("_layer_specs", "parts", "stage_id", "_set_bounds", "_partition_layers", "_topo",
+                           "loss_fn", "seed_layers", "seed_fn", "base_seed", "activation_checkpoint_interval",
+                           "activation_checkpoint_func", "checkpointable_layers", "dynamic_shape",
+                           "_synchronize_tied_weights", "tied_comms", "global_rank", "mpu"),
+        "PipelineEngine": ("data_iterator", "set_dataiterator", "train_batch"),
+    },
     # a ZeRO-3 checkpoint with the optimizer state on NVMe: the swapped fp32 partitions filled in; used by
     # nvme_checkpoint
     "convert": {

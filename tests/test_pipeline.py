@@ -1,0 +1,93 @@
+"""DeepSpeed's pipeline engine: ds_pseudo_real.initialize takes a PipelineModule, ties its layers per sharing group
+with DeepSpeed's TiedLayerSpec, delinks them into untied layers with the weights and Adam moments carried (loss on a
+fixed batch bit-identical across the switch, fp32), and resumes from its per-layer checkpoint files in either stage;
+on 2 stages (2 ranks) and on 2 stages x 2 data-parallel ranks (4 ranks), every case of a layout in one launch."""
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import pytest
+
+import ds_pseudo_real
+from ds_pseudo_real.config import ConfigError
+from ds_pseudo_real.pipeline import TIE_KEY, layer_indices, mapped_name, stage_specs
+from conftest import run_two_ranks
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import pipeline_delink  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "scripts" / "pipeline_delink.py"
+
+
+def _results(proc, ranks):
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == ranks * len(pipeline_delink.CASES), proc.stdout[-3000:]
+    return results
+
+
+@pytest.mark.parametrize("ranks", [2, 4], ids=["2stages", "2stages-x-2dp"])
+def test_pipeline_delink_and_resume(ranks, tmp_path):
+    results = _results(run_two_ranks(SCRIPT, str(tmp_path), ranks=ranks, timeout=900), ranks)
+    for result in results:
+        pipeline_delink.check(result)
+    for case in pipeline_delink.CASES:
+        of_case = [r for r in results if (r["zero"], r["groups"], r["policy"], r["dtype"]) == case]
+        assert sorted(r["stage_id"] for r in of_case) == sorted([0, 1] * (ranks // 2))
+        # the loss DeepSpeed averages over the data-parallel ranks and sends to every stage: one curve for all
+        assert len({json.dumps(r["losses"]) for r in of_case}) == 1, case
+
+
+def _spec(cls):
+    from deepspeed.pipe import LayerSpec
+
+    return LayerSpec(cls)
+
+
+def test_layers_are_named_by_class_and_tied_per_group():
+    specs = [_spec(pipeline_delink.Embed), *[_spec(pipeline_delink.Block) for _ in range(4)],
+             _spec(pipeline_delink.Embed)]
+    indices = layer_indices(specs, "type:block")  # case-insensitive, as DeepSpeed's partition_method
+    assert indices == [1, 2, 3, 4]
+    tied = stage_specs(specs, indices, 2, ["fc.weight"])
+    assert [getattr(s, "key", None) for s in tied] == [None, f"{TIE_KEY}0", f"{TIE_KEY}0", f"{TIE_KEY}2",
+                                                       f"{TIE_KEY}2", None]
+    assert tied[1].tied_weight_attr == ["fc.weight"] and tied[0] is specs[0]
+    untied = stage_specs(tied, indices, 4, ["fc.weight"])
+    assert [type(s).__name__ for s in untied] == ["LayerSpec"] * 6
+    layer_of = dict(zip(indices, range(4)))
+    assert mapped_name(f"tied_modules.{TIE_KEY}2.fc.weight", layer_of) == "layers.2.fc.weight"
+    assert mapped_name("3.fc.weight", layer_of) == "layers.2.fc.weight"
+    assert mapped_name("0.emb.weight", layer_of) == "0.emb.weight"
+    assert mapped_name("tied_modules.embed.weight", layer_of) == "tied_modules.embed.weight"
+
+
+def test_layers_that_are_not_layer_specs_of_a_class_are_refused():
+    from deepspeed.pipe import TiedLayerSpec
+
+    specs = [_spec(pipeline_delink.Embed), _spec(pipeline_delink.Block)]
+    with pytest.raises(ConfigError, match=r"pseudo_to_real.layers: got 'layers'; a PipelineModule names its layers "
+                                          r"by class.*'type:<regex of the class name>'"):
+        layer_indices(specs, "layers")
+    with pytest.raises(ConfigError, match=r"'type:Transformer' matches none of .*\['Block', 'Embed'\]"):
+        layer_indices(specs, "type:Transformer")
+    with pytest.raises(ConfigError, match=r"matches layers \{1: 'TiedLayerSpec'\}.*give each of them as a LayerSpec"):
+        layer_indices([specs[0], TiedLayerSpec("b", pipeline_delink.Block)], "type:Block")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"switch": {"at_tokens": 100}}, r"pseudo_to_real: at_tokens is not supported with a PipelineModule"),
+    ({"schedule": [{"depth": 2}, {"at_step": 3}]}, r"pseudo_to_real.schedule\[0\].depth: got 2"),
+])
+def test_what_a_pipeline_cannot_do_is_refused(change, message):
+    deepspeed.init_distributed()
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    specs = [LayerSpec(pipeline_delink.Embed), *[LayerSpec(pipeline_delink.Block) for _ in range(4)]]
+    cfg = pipeline_delink.config(1, 1, "copy")
+    section = {k: v for k, v in cfg["pseudo_to_real"].items() if k not in ("groups", "switch")} \
+        if "schedule" in change else cfg["pseudo_to_real"]
+    cfg["pseudo_to_real"] = {**section, **change}
+    with pytest.raises(ConfigError, match=message):
+        ds_pseudo_real.initialize(model=PipelineModule(specs, num_stages=1, loss_fn=pipeline_delink.loss_fn),
+                                  config=cfg)
