@@ -33,7 +33,7 @@ from ds_pseudo_real.config import (
     split_checkpoint_options,
 )
 from ds_pseudo_real.data import BYTE_VOCAB, DataOptions, build_corpus, indexed_vocabulary, parse_data_section
-from ds_pseudo_real.device import use_rank_device
+from ds_pseudo_real.device import use_collective_timeout, use_rank_device
 from ds_pseudo_real.ds_state import MONITOR_SECTIONS, total_parameter_numel
 from ds_pseudo_real.models.build import ModelSpec, build_model, model_spec, parameter_groups
 from ds_pseudo_real.offload.config import gradient_accumulation_steps, parse_granular_offload
@@ -303,6 +303,7 @@ def train(args: argparse.Namespace) -> int:
     stopper = StopOnSignal()  # first: a preemption during start-up must not kill the rank without a checkpoint
     single_process_defaults()
     use_rank_device()  # NCCL's communicator and every object collective use the current device
+    use_collective_timeout()  # DEEPSPEED_TIMEOUT for DeepSpeed's own groups too, not only for the world group
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"rank {rank}/{world} started on {os.uname().nodename}", flush=True)
