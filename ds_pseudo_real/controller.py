@@ -191,7 +191,7 @@ class PseudoToRealController:
                 self.state.last_train_loss = float(self._loss_sum) / self._loss_count
                 self._loss_sum, self._loss_count = None, 0
             self.callbacks.fire("on_step_end", self.state, self.control)
-            self._maybe_delink()
+            self._maybe_delink()  # a checkpoint in flight is written from its host copy: complete once saved
             self._checkpoints.poll()  # last: a background save's failure raised here leaves the step complete
         return result
 
@@ -252,11 +252,12 @@ class PseudoToRealController:
         written and fsynced), then rank 0 adds the manifest and renames it to ``<tag>`` + ``latest``, then applies
         ``checkpoint.keep_last`` to this run's checkpoints. With ``checkpoint.async_save`` it returns once the state
         is copied to host memory (after waiting for the checkpoint still in flight, if any); the rest happens in the
-        background, and a failure there is raised by a later ``step``, save or :meth:`wait_for_checkpoints`. A ``tag`` that names another run's checkpoint is refused
-        before anything is written, and so is every save once the folder's lock file names another run
-        (:class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank). A failed write on any rank raises
-        CheckpointError on every rank, naming the file and the last good checkpoint; the partial folder is removed
-        and training can go on (a later save can succeed once the cause is gone)."""
+        background, and a failure there is raised by a later ``step``, save or :meth:`wait_for_checkpoints`. A
+        ``tag`` that names another run's checkpoint is refused before anything is written, and so is every save once
+        the folder's lock file names another run (:class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank).
+        A failed write on any rank raises CheckpointError on every rank, naming the file and the last good
+        checkpoint; the partial folder is removed and training can go on (a later save can succeed once the cause
+        is gone)."""
         return self._checkpoints.save(save_dir, tag, client_state)
 
     def wait_for_checkpoints(self) -> None:

@@ -166,3 +166,31 @@ def test_two_ranks_publish_only_once_both_are_durable_and_share_a_failure(tmp_pa
     assert f"the last good checkpoint is {tmp_path / 'ckpt' / 'global_step2'} (step 2)" in message
     assert not result["partial_left"] and result["latest"] == result["saved"]
     assert f"global_step{result['resumed_step']}" == result["saved"] and result["same_tail"]
+
+
+def test_the_main_job_stopped_by_sigterm_publishes_the_checkpoint_in_flight_and_says_so(tmp_path):
+    """launch/train.py saving every step in the background: on SIGTERM it waits for the checkpoint in flight (the
+    stop's own step, so not written twice), says so with the time it took, and exits 0 with it published."""
+    from test_main_job import TINY, start_single, tiny_config, wait_for
+
+    config = tiny_config(tmp_path, steps=5000, switch=12)
+    config.write_text(json.dumps({**json.loads(config.read_text()), "checkpoint": ASYNC}))
+    out = tmp_path / "run"
+    folder = out / "checkpoints"
+    job = start_single(tmp_path / "job", "--deepspeed_config", config, "--output-dir", out, *TINY,
+                       "--save-interval", "1")
+    try:
+        wait_for(lambda: (folder / "latest").is_file(), "the first checkpoint")
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=120) == 0
+    finally:
+        if job.poll() is None:
+            job.kill()
+    log = Path(f"{tmp_path / 'job'}.out").read_text()
+    stopped = int(re.search(r"saved checkpoint at step (\d+) on signal SIGTERM \(\d+\.\d\d s after the step ended\)",
+                            log).group(1))
+    assert (f"stopping on signal SIGTERM at step {stopped}: waiting for the checkpoint being written in the "
+            f"background, {folder / f'global_step{stopped}'}") in log
+    assert ckpt.latest_tag(str(folder)) == f"global_step{stopped}"
+    assert ckpt.verify(str(folder), f"global_step{stopped}").ok
+    assert not [p for p in folder.iterdir() if p.name.endswith(ckpt.PARTIAL_SUFFIX)]
