@@ -213,7 +213,8 @@ class PseudoToRealController:
             self.state.last_train_loss = float(self._loss_sum) / self._loss_count
             self._loss_sum, self._loss_count = None, 0
         self.callbacks.fire("on_step_end", self.state, self.control)
-        self._maybe_delink()
+        self._maybe_delink()  # a checkpoint in flight is written from its host copy: complete once saved
+        self._checkpoints.poll()  # last: a background save's failure raised here leaves the step complete
 
     def _scale_lr(self, optimizer, *_):
         """Step pre-hook: the stage's LR factor (``pseudo_lr_scale``, the re-warmup) applies to this optimizer step
@@ -270,12 +271,28 @@ class PseudoToRealController:
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict] = None) -> str:
         """Write a checkpoint atomically: ``<tag>.<writer>.partial`` by every rank (each file checksummed as it is
         written and fsynced), then rank 0 adds the manifest and renames it to ``<tag>`` + ``latest``, then applies
-        ``checkpoint.keep_last`` to this run's checkpoints. A ``tag`` that names another run's checkpoint is refused
-        before anything is written, and so is every save once the folder's lock file names another run
-        (:class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank). A failed write on any rank raises
-        CheckpointError on every rank, naming the file and the last good checkpoint; the partial folder is removed
-        and training can go on (a later save can succeed once the cause is gone)."""
+        ``checkpoint.keep_last`` to this run's checkpoints. With ``checkpoint.async_save`` it returns once the state
+        is copied to host memory (after waiting for the checkpoint still in flight, if any); the rest happens in the
+        background, and a failure there is raised by a later ``step``, save or :meth:`wait_for_checkpoints`. A
+        ``tag`` that names another run's checkpoint is refused before anything is written, and so is every save once
+        the folder's lock file names another run (:class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank).
+        A failed write on any rank raises CheckpointError on every rank, naming the file and the last good
+        checkpoint; the partial folder is removed and training can go on (a later save can succeed once the cause
+        is gone)."""
         return self._checkpoints.save(save_dir, tag, client_state)
+
+    def wait_for_checkpoints(self) -> None:
+        """With ``checkpoint.async_save``: block until the checkpoint being written in the background is published
+        (collective), raising its failure as :class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank. Call
+        it before the process ends, or that checkpoint is lost (the previous one stays the one to resume from). A
+        no-op for synchronous saves."""
+        self._checkpoints.wait("the run goes on")
+
+    @property
+    def checkpoint_in_flight(self) -> Optional[str]:
+        """The folder of the checkpoint being written in the background (``checkpoint.async_save``), or None."""
+        background = self._checkpoints.background
+        return None if background is None else background.in_flight
 
     def load_checkpoint(self, load_dir: Optional[str], tag: Optional[str] = None, *, verify: Optional[str] = None,
                         **kwargs) -> Tuple[Optional[str], Dict]:
