@@ -164,9 +164,6 @@ class PipelineStageBuilder(StageBuilder):
         if any(trigger.at_tokens is not None for trigger in ptr_config.triggers()):
             raise ConfigError("pseudo_to_real: at_tokens is not supported with a PipelineModule, whose batches only "
                               "its first and last stages read (train_batch): switch at_step or on_plateau")
-        if self._granular:
-            raise ConfigError("granular_offload: not supported with a PipelineModule (its layers are specs, not a "
-                              "layer list to plan); remove the granular_offload section")
 
     def _parameter_names(self) -> List[str]:
         return self._names
@@ -179,6 +176,10 @@ class PipelineStageBuilder(StageBuilder):
 
     def _by_model_name(self, values: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         return ByModelName(values, self.engine.module, self._mapped_name)
+
+    def _data_parallel_size(self) -> int:
+        """The pipeline grid's data-parallel size (the engine's mpu), which granular offload plans for."""
+        return self._template.mpu().get_data_parallel_world_size()
 
     def _build_model(self, depth: int, groups: int, weights) -> nn.Module:
         specs = stage_specs(self._specs, self._indices, groups, self._attributes)

@@ -39,7 +39,7 @@ from .nvme_checkpoint import (
 )
 from .checkpoint_integrity import checksummed_writes, fingerprint_of, fingerprint_terms, state_fingerprint
 from .process_groups import data_parallel_group, expert_data_parallel_group, model_parallel, splits_over_tensor_parallel
-from .pipeline import is_pipeline_module, pipeline_stage_layers
+from .pipeline import is_pipeline_module, pipeline_stage_layers, tied_across_stages
 from .accounting import memory_report, total_parameter_numel
 from .engine_hooks import before_gradient_reduction, drop_gradients_with, include_in_gradient_norm, steps_when_built
 from .host_broadcast import HOST_BROADCAST_CHUNK_BYTES, route_host_broadcasts, unroute_host_broadcasts

@@ -74,7 +74,8 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
         "PipelineModule": ("_layer_specs", "parts", "stage_id", "_set_bounds", "_partition_layers", "_topo",
                            "loss_fn", "seed_layers", "seed_fn", "base_seed", "activation_checkpoint_interval",
                            "activation_checkpoint_func", "checkpointable_layers", "dynamic_shape",
-                           "_synchronize_tied_weights", "tied_comms", "global_rank", "mpu"),
+                           "_synchronize_tied_weights", "tied_comms", "global_rank", "mpu", "_local_start",
+                           "_local_stop", "tied_modules"),
         "PipelineEngine": ("data_iterator", "set_dataiterator", "train_batch"),
     },
     # a ZeRO-3 checkpoint with the optimizer state on NVMe: the swapped fp32 partitions filled in; used by

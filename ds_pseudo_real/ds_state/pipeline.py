@@ -25,12 +25,35 @@ def pipeline_stage_layers(model: nn.Module) -> Optional[Tuple[List[Tuple[int, nn
     """For a ``PipelineModule``: ``(index, layer)`` for each layer of its specs this stage built, and how many specs
     the whole pipeline has; None for any other module. ``PipelineModule._build`` registers each built ``LayerSpec``
     (or module) as a child named by its position among all the specs (its parameter names and per-layer checkpoint
-    files use it); a ``TiedLayerSpec``'s module lives in ``tied_modules`` instead, and a plain function holds
-    nothing."""
+    files use it); a ``TiedLayerSpec``'s module, built once per stage, lives in ``tied_modules``: it is the layer at
+    each position of the stage whose spec has its key, provided that the stage calls it at every one of them (a
+    ``forward_fn`` uses the module without calling it, past its hooks: such a module is no layer here). A plain
+    function holds nothing."""
     if not is_pipeline_module(model):
         return None
-    layers = [(int(name), child) for name, child in model.named_children() if name.isdigit()]
-    return layers, len(layer_specs(model))
+    specs = layer_specs(model)
+    own = range(model._local_start, model._local_stop)
+    called = {spec.key for spec in specs if isinstance(spec, TiedLayerSpec)} - {
+        specs[i].key for i in own if isinstance(specs[i], TiedLayerSpec) and specs[i].forward_fn is not None}
+    children = dict(model.named_children())
+    layers = []
+    for index in own:
+        spec = specs[index]
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key in called:
+                layers.append((index, model.tied_modules[spec.key]))
+        elif str(index) in children:
+            layers.append((index, children[str(index)]))
+    return layers, len(specs)
+
+
+def tied_across_stages(model: nn.Module) -> List[nn.Parameter]:
+    """The parameters of this stage's tied modules that other stages hold too, whose gradients the pipeline engine
+    all-reduces over those stages (``PipelineEngine._exec_reduce_tied_grads``, on ``.grad`` where it is set); none for
+    any other module."""
+    if not is_pipeline_module(model):
+        return []
+    return [p for comm in model.tied_comms.values() if len(comm["ranks"]) > 1 for p in comm["module"].parameters()]
 
 
 def tied_spec(key: str, spec: LayerSpec, attributes: Sequence[str]) -> TiedLayerSpec:

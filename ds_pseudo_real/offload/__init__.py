@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
+import torch
+import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
@@ -122,7 +124,33 @@ def _plan(model: nn.Module, ds_config: Mapping[str, Any], section: GranularOfflo
         plan = place(sizes, explicit_levels(section, sizes, num_layers), setup)
     else:
         plan = plan_placement(sizes, setup, section.device_memory, PlacementLevel(section.max_level))
+    _refuse_own_steps_of_tied_across_stages(model, sizes, params, plan)
     return sizes, params, plan
+
+
+def _refuse_own_steps_of_tied_across_stages(model: nn.Module, sizes: List[GroupSize],
+                                            params: List[List[nn.Parameter]], plan: OffloadPlan) -> None:
+    """A pipeline's tied module held by several stages (a pseudo stage's sharing group over stages, tied embeddings)
+    cannot be at host_params where the offload steps that level itself: the pipeline engine all-reduces tied
+    gradients between the stages on ``.grad`` before the step (DeepSpeed 0.19.8 ``_exec_reduce_tied_grads``), which
+    such a group has already moved to the host, so each stage would step its copy with its own gradient only.
+    Collective over the pipeline's ranks (each plans its own stage): every stage refuses when one does."""
+    if not plan.setup.host_params_outside_deepspeed or not ds_state.is_pipeline_module(model):
+        return
+    tied = {id(p) for p in ds_state.tied_across_stages(model)}
+    refused = [size.name for size, ps in zip(sizes, params)
+               if plan.level_of(size.name) is PlacementLevel.HOST_PARAMS and any(id(p) in tied for p in ps)]
+    anywhere = torch.tensor([len(refused)])
+    if dist.is_initialized():
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)  # a stage that would go on alone waits for the others
+    if anywhere.item():
+        raise ConfigError(f"invalid config:\n  {SECTION}.levels: got 'host_params' for "
+                          f"{refused or 'a group of another stage'}, a module that other pipeline stages hold too (a "
+                          f"tied module: a sharing group over stages, tied embeddings); under ZeRO >= 1 or bf16 the "
+                          f"offload steps host_params outside DeepSpeed's optimizer, past the pipeline's all-reduce of "
+                          f"tied gradients between the stages, and the stages' copies would drift apart; accepted for "
+                          f"it: 'device' or 'host_optimizer', or pseudo_to_real.groups a multiple of the number of "
+                          f"stages (each set inside one stage)")
 
 
 def host_params_placement(model: nn.Module, ds_config: Mapping[str, Any], layer_path: str, world_size: int

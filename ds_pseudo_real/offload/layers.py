@@ -14,7 +14,8 @@ def rank_layers(model: nn.Module, layer_path: str) -> Tuple[List[Tuple[int, nn.M
     """``(index, layer)`` for each layer this rank holds, and how many layers the whole model has.
 
     A DeepSpeed ``PipelineModule`` holds its stage's layers only, numbered as DeepSpeed numbers them (the position
-    of their spec among all the pipeline's specs; ``layer_path`` is not read): a pipeline stage plans and offloads
+    of their spec among all the pipeline's specs; ``layer_path`` is not read; a tied module the stage calls is the
+    layer at each of its positions, its parameters planned with the first): a pipeline stage plans and offloads
     its own layers, and one config names every stage's. Any other model holds the whole layer list at
     ``layer_path`` (under tensor parallelism, this rank's slices of it)."""
     stage = pipeline_stage_layers(model)

@@ -157,7 +157,8 @@ class HostParamStore:
         # one entry per layer module using host params, in layer order (a pseudo model's shared set: every member)
         self._entries: List[List[nn.Parameter]] = []
         modules = []
-        for _, layer in rank_layers(model, layer_path)[0]:
+        # each module once: a PipelineModule's tied module is the layer at several positions, its hooks fire per call
+        for layer in dict.fromkeys(layer for _, layer in rank_layers(model, layer_path)[0]):
             params = [p for p in layer.parameters() if id(p) in wanted]
             if params:
                 self._entries.append(params)

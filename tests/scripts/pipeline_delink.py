@@ -6,7 +6,11 @@ them; groups 2: one set inside each stage), delinked at step 3.
 Run under torchrun on 2 ranks (2 stages) or 4 (2 stages x 2 data-parallel ranks); rank 0 prints every rank's
 ``RESULT {json}`` line of each case. Each case: the loss on a fixed batch right before and right after the delink, the
 fp32 masters and Adam moments carried, the tied set equal on every stage that holds it, and the run resumed from
-its pseudo checkpoint (step 2) and from its real one (step 5) with the same losses."""
+its pseudo checkpoint (step 2) and from its real one (step 5) with the same losses.
+
+``pipeline_delink.py FOLDER offload`` (2 ranks) runs the cases of ``OFFLOAD_CASES`` after them: a case of ``CASES``
+with a ``granular_offload`` section, whose losses must be that case's bit for bit, and each stage's plan (group ->
+numel, level; planned and held host bytes) in each stage."""
 import json
 import os
 import sys
@@ -18,6 +22,9 @@ from torch import nn
 import ds_pseudo_real
 from ds_pseudo_real import ds_state
 from ds_pseudo_real.callbacks import TrainingCallback
+from ds_pseudo_real.config import ConfigError
+from ds_pseudo_real.ds_state import basic_optimizer
+from ds_pseudo_real.ds_state.moments import relink_optimizer_state
 from ds_pseudo_real.pipeline import TIE_KEY, mapped_name
 from ds_pseudo_real.sharing import source_parameter
 
@@ -67,7 +74,7 @@ LAYER_OF = {index: index - 1 for index in range(1, LAYERS + 1)}  # spec index ->
 EMBEDDING = "tied_modules.embed.emb.weight"
 
 
-def config(zero, groups, policy, dtype="fp32"):
+def config(zero, groups, policy, dtype="fp32", offload=None):
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": MICRO_BATCHES,
@@ -79,6 +86,10 @@ def config(zero, groups, policy, dtype="fp32"):
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if offload is not None:  # granular offload steps AdamW with DeepSpeed's kernels: so does its reference
+        del cfg["optimizer"]["params"]["torch_adam"]
+        if LEVELS[offload] is not None:
+            cfg["granular_offload"] = {"levels": LEVELS[offload]}
     return cfg
 
 
@@ -113,6 +124,16 @@ def probe_param(engine):
     return layers[-1]
 
 
+def plan_report(engine):
+    """This stage's offload plan, group -> [numel, level, planned host bytes, host bytes the optimizer holds]."""
+    plan, optimizer = engine.offload_plan, basic_optimizer(engine.engine)
+    if plan is None:
+        return None
+    held = optimizer.held_bytes_by_group()
+    return {p.group.name: [p.group.numel, p.level.value, p.bytes.host, held[p.group.name]["host"]]
+            for p in plan.placements}
+
+
 class BeforeDelink(TrainingCallback):
     def __init__(self, ref):
         self.ref, self.seen = ref, {}
@@ -120,7 +141,9 @@ class BeforeDelink(TrainingCallback):
     def on_step_end(self, state, control):
         if control.should_delink:
             engine = self.ref[0]
+            self.seen["plan"] = plan_report(engine)
             name, param = probe_param(engine)
+            relink_optimizer_state(engine.engine)  # ZeRO 1 links a group's moments at the first group's step
             step = ds_state.step_counters(engine.engine)["state_step"]
             self.seen.update(loss=eval_loss(engine), masters=masters(engine), probe=name,
                              moments=ds_state.full_moments(engine.engine, param),
@@ -132,12 +155,12 @@ def train(engine, first, last):
     return [engine.train_batch(iter(batches(step, data_rank(engine)))).item() for step in range(first, last + 1)]
 
 
-def run_case(zero, groups, policy, dtype, folder):
+def run_case(zero, groups, policy, dtype, folder, offload=None):
     rank = dist.get_rank()
     ref = [None]
     before = BeforeDelink(ref)
-    engine, *_ = ds_pseudo_real.initialize(model=pipeline_module(), config=config(zero, groups, policy, dtype),
-                                           callbacks=[before])
+    cfg = config(zero, groups, policy, dtype, offload)
+    engine, *_ = ds_pseudo_real.initialize(model=pipeline_module(), config=cfg, callbacks=[before])
     ref[0] = engine
     pseudo_sets = len({id(p) for n, p in engine.module.named_parameters() if TIE_KEY in n})
     losses = train(engine, 1, 2)
@@ -149,6 +172,7 @@ def run_case(zero, groups, policy, dtype, folder):
     differ = [name for name, value in carried.items()
               if not torch.equal(value, before.seen["masters"][source_parameter(name, "layers", old, new)[0]])]
     name, param = probe_param(engine)
+    relink_optimizer_state(engine.engine)
     moments = ds_state.full_moments(engine.engine, param)
     expected = before.seen["moments"]
     members = LAYERS // groups
@@ -159,7 +183,7 @@ def run_case(zero, groups, policy, dtype, folder):
     engine.save_checkpoint(folder, "real")
     losses += train(engine, 6, STEPS)
     result = {
-        "rank": rank, "zero": zero, "groups": groups, "policy": policy, "dtype": dtype,
+        "rank": rank, "zero": zero, "groups": groups, "policy": policy, "dtype": dtype, "offload": offload,
         "stage_id": engine.engine.stage_id,
         "pre": before.seen["loss"], "post": post, "losses": losses, "masters_differ": differ,
         "probe": [before.seen["probe"], name],
@@ -171,14 +195,16 @@ def run_case(zero, groups, policy, dtype, folder):
         "tied_sums": None,
         "parameters_total": [engine.last_transition[f"parameters_{when}_total"] for when in ("before", "after")],
     }
+    result["plans"] = {"pseudo": before.seen["plan"], "real": plan_report(engine)}
     sums = [None] * dist.get_world_size()
     dist.all_gather_object(sums, before.seen["tied_sum"])
     result["tied_sums"] = sums
     engine.engine.destroy()
 
     resumed = {}
-    for tag, first in (("pseudo", 3), ("real", 6)):
-        engine, *_ = ds_pseudo_real.initialize(model=pipeline_module(), config=config(zero, groups, policy, dtype))
+    # the reference of the offloaded cases is not resumed: DeepSpeed's FusedAdam does not resume its run bit for bit
+    for tag, first in () if offload == "no_offload" else (("pseudo", 3), ("real", 6)):
+        engine, *_ = ds_pseudo_real.initialize(model=pipeline_module(), config=cfg)
         engine.load_checkpoint(folder, tag)
         resumed[tag] = {"stage": engine.stage, "step": engine.global_steps,
                         "losses": train(engine, first, STEPS), "final_stage": engine.stage}
@@ -189,6 +215,17 @@ def run_case(zero, groups, policy, dtype, folder):
 
 # (ZeRO stage, groups, optimizer_state, dtype); bf16: the fp32 masters carried, the bf16 weights made from them
 CASES = [(1, 1, "copy", "fp32"), (0, 2, "scale", "fp32"), (1, 1, "copy", "bf16")]
+# granular offload levels by layer number: a PipelineModule's spec index (the embedding is 0, the blocks 1-4, the
+# head 5). A pseudo stage's tied set is planned as the layer of its first spec on the stage (1 on stage 0, 3 on
+# stage 1), the other layers' entries wait for the real stage. "spanning": groups 1, the set both stages hold at
+# host_optimizer (DeepSpeed steps it and all-reduces its gradients between the stages); "in_stage": groups 2, each
+# stage's set at host_params. "no_offload": the reference, DeepSpeed's own AdamW (the kernel the offload steps with)
+LEVELS = {"spanning": {"1": "host_optimizer", "2": "host_params", "3": "host_optimizer", "4": "host_params"},
+          "in_stage": {"1": "host_params", "2": "host_optimizer", "3": "host_params", "4": "host_optimizer"},
+          "no_offload": None}
+# (ZeRO stage, groups, optimizer_state, dtype, offload): each offloaded case after its reference
+OFFLOAD_CASES = [(1, 1, "copy", "fp32", "no_offload"), (1, 1, "copy", "fp32", "spanning"),
+                 (0, 2, "scale", "fp32", "no_offload"), (0, 2, "scale", "fp32", "in_stage")]
 
 
 def check(result):
@@ -208,6 +245,8 @@ def check(result):
     assert result["pseudo_sets"] == 4, f"{tag}: {result['pseudo_sets']} tied parameters (Block has 4)"
     if result["groups"] == 1:  # the set DeepSpeed keeps on both stages stayed equal: its gradient was all-reduced
         assert len(set(result["tied_sums"])) == 1, f"{tag}: tied set differs between stages {result['tied_sums']}"
+    if not result["resumed"]:
+        return
     pseudo, real = result["resumed"]["pseudo"], result["resumed"]["real"]
     assert (pseudo["stage"], pseudo["step"], pseudo["final_stage"]) == ("pseudo", 2, "real"), f"{tag}: {pseudo}"
     assert pseudo["losses"] == result["losses"][2:], f"{tag}: resumed from pseudo {pseudo} vs {result['losses']}"
@@ -220,14 +259,20 @@ if __name__ == "__main__":
 
     deepspeed.init_distributed()
     folder = sys.argv[1]
-    failed = 0
-    for case in CASES:
-        out = run_case(*case, os.path.join(folder, "-".join(map(str, case))))
+    for case in CASES + (OFFLOAD_CASES if sys.argv[2:] == ["offload"] else []):
+        out = run_case(*case[:4], os.path.join(folder, "-".join(map(str, case))), *case[4:])
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, out)  # printed by one rank: the ranks' lines would interleave
         if dist.get_rank() == 0:
             sys.stdout.write("".join(f"RESULT {json.dumps(result)}\n" for result in every))
             sys.stdout.flush()
+    if sys.argv[2:] == ["offload"]:  # the set both stages hold, at host_params on stage 0 only: refused on both
+        refused = config(1, 1, "copy", "fp32", "no_offload")
+        refused["granular_offload"] = {"levels": {"1": "host_params"}}
+        try:
+            ds_pseudo_real.initialize(model=pipeline_module(), config=refused)
+        except ConfigError as error:
+            print(f"REFUSED {json.dumps({'rank': dist.get_rank(), 'message': str(error)})}", flush=True)
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # as delink_matrix: no interpreter teardown, where a gloo thread can abort a rank after a pass
