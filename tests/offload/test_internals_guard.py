@@ -17,7 +17,6 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 import ds_pseudo_real
 from ds_pseudo_real import ds_state
-from ds_pseudo_real.config import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from delink_matrix import config, fixed_batch, tiny_gpt  # noqa: E402
