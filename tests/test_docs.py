@@ -78,8 +78,8 @@ def test_readmes_stay_short(path: Path):
     assert len(path.read_text().splitlines()) <= 250
 
 
-# Two pytest-xdist workers, a test file (and all the SLURM files) on one worker: tests/conftest.py
-TEST_COMMAND = "pytest -q -n 2 --dist loadgroup tests"
+# Two pytest-xdist workers, a test file (and all the SLURM files together) on one worker: tests/conftest.py
+TEST_COMMAND = "pytest -q -n 2 tests"
 
 
 def test_the_main_readme_shows_the_test_command_ci_runs():

@@ -246,7 +246,7 @@ def test_megatron_drop_in_across_two_nodes(cluster, jobs, tmp_path):
     """Megatron-LM's own pretrain_gpt.py through the drop-in, one rank per node started by srun through
     launch.dist_env, delinking at iteration 3 of 6: the losses of the same command under torchrun on one node."""
     sys.path.insert(0, str(REPO / "tests" / "megatron"))  # where pytest puts it when it collects that directory
-    from test_megatron_run import SCRIPT, TINY, pretrain
+    from megatron_lm import SCRIPT, TINY, pretrain
 
     flags = [*TINY, "--train-iters", "6", "--pseudo-to-real-switch-iter", "3"]
     command = [sys.executable, "-m", "launch.dist_env", "--", sys.executable, "-m", "megatron_patches.run",
