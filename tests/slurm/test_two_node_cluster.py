@@ -158,7 +158,7 @@ def test_usr1_reaches_the_ranks_on_both_nodes(main_run):
     """scancel --signal=USR1: both ranks, each signalled by its own node's slurmd, save one checkpoint at the same
     step and stop; the job ends COMPLETED (not requeued), and its script sbatch'ed again resumes there."""
     out = logs(main_run.run)
-    saved = [rank_lines(out[f"rank-{r}.log"], r"^saved checkpoint at step (\d+) on signal (\S+)$") for r in (0, 1)]
+    saved = [rank_lines(out[f"rank-{r}.log"], r"^saved checkpoint at step (\d+) on signal (\S+)") for r in (0, 1)]
     assert saved[0] == saved[1] and len(saved[0]) == 1 and saved[0][0][1] == "SIGUSR1", saved
     step = int(saved[0][0][0])
     assert KILL_AFTER < step < SWITCH_STEP
@@ -284,7 +284,7 @@ def test_time_limit_warning_checkpoints_on_both_nodes(cluster, main_run):
     cluster.wait_for(lambda: "requeueing job" in logs(run).get(f"sbatch-{job_id}.log", ""), "the requeue", job_id, run,
                      timeout=180)
     out = logs(run)
-    saved = [rank_lines(out[f"rank-{r}.log"], r"^saved checkpoint at step (\d+) on signal SIGUSR1$")
+    saved = [rank_lines(out[f"rank-{r}.log"], r"^saved checkpoint at step (\d+) on signal SIGUSR1\b")
              for r in range(4)]
     assert saved.count(saved[0]) == 4 and len(saved[0]) >= 1, saved
     step = saved[0][0]
