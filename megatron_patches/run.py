@@ -508,6 +508,23 @@ def uninstall() -> None:
         setattr(owner, name, original)
 
 
+def run_script(script: str, args: List[str]) -> None:
+    """Run SCRIPT as ``__main__`` with ARGS as its command line, the drop-in installed for the run (and removed
+    after it). The process group and Megatron-LM's global state are left as the script leaves them."""
+    from megatron_patches import cpu_compat
+
+    cpu_compat.install_training()  # a no-op when CUDA is available
+    install()
+    sys.argv = [script, *args]
+    folder = os.path.dirname(os.path.abspath(script))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        uninstall()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -521,20 +538,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not os.path.isfile(script):
         print(f"{USAGE}\nmegatron_patches.run: error: SCRIPT {script!r} is not a file", file=sys.stderr)
         return 2
-    from megatron_patches import cpu_compat
-
-    cpu_compat.install_training()  # a no-op when CUDA is available
-    install()
-    sys.argv = [script, *argv[1:]]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, run_name="__main__")
+        run_script(script, argv[1:])
     except (DropInError, CheckpointError) as error:
         if _rank() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     finally:
-        uninstall()
         # Megatron-LM's scripts leave the process group to the interpreter's teardown, where gloo's worker threads can
         # free tensors after Python has gone and abort a rank (SIGABRT) whose run passed
         import torch.distributed as dist

@@ -8,6 +8,7 @@ and Megatron's NullTokenizer, CPU, gloo; losses are read from Megatron's own log
 Megatron prints a run's first iteration without resetting its loss accumulator, so the second iteration a process
 logs is the mean of its first two: that one line of each (resumed) run is left out of the comparisons.
 """
+import json
 import os
 import re
 import shutil
@@ -21,6 +22,8 @@ from conftest import REPO, free_port
 
 from megatron_patches.run import TRACKER_FILE
 
+# What workers/run_sequence.py prints (stdout and stderr) before each of its runs, followed by the run's name.
+RUN_MARKER = "=== run "
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 SCRIPT = Path(MEGATRON_LM or ".") / "pretrain_gpt.py"
 needs_megatron_lm = pytest.mark.skipif(
@@ -75,12 +78,18 @@ class Log:
 
 def pretrain(nproc: int, *flags: str, cwd: Path, expect_ok: bool = True, env_extra: Optional[dict] = None
              ) -> subprocess.CompletedProcess:
+    return launch(nproc, "-m", "megatron_patches.run", str(SCRIPT), *flags, cwd=cwd, expect_ok=expect_ok,
+                  env_extra=env_extra)
+
+
+def launch(nproc: int, *program: str, cwd: Path, expect_ok: bool = True, env_extra: Optional[dict] = None,
+           timeout: float = 900) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), MEGATRON_LM or ""])})
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), "-m", "megatron_patches.run", str(SCRIPT), *flags]
-    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
+           str(free_port()), *program]
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if expect_ok and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                     f"--- stderr\n{proc.stderr[-8000:]}")
@@ -90,6 +99,40 @@ def pretrain(nproc: int, *flags: str, cwd: Path, expect_ok: bool = True, env_ext
 def train(nproc: int, *flags: str, cwd: Path) -> Log:
     proc = pretrain(nproc, *TINY, *flags, cwd=cwd)
     return Log(proc.stdout, proc.stderr)
+
+
+class Sequence:
+    """Runs of ``pretrain_gpt.py`` through the drop-in, launched together (workers/run_sequence.py: one launch, one
+    process per rank for all of them; the same losses as one launch each): ``train`` and ``resume_from`` add a
+    run, ``logs`` launches them all and returns each run's ``Log`` by name."""
+
+    def __init__(self, nproc: int, cwd: Path):
+        self.nproc, self.cwd, self.steps = nproc, cwd, []
+
+    def train(self, name: str, *flags: str) -> None:
+        self.steps.append({"run": name, "argv": [str(SCRIPT), *TINY, *flags]})
+
+    def resume_from(self, name: str, saved: Path, iteration: int, *flags: str) -> Path:
+        """Add a run of the command on a copy of ``saved``'s checkpoint of ``iteration`` (see ``resume_from``);
+        returns its checkpoint directory."""
+        directory = self.cwd / name
+        self.steps.append({"copy": [str(saved), iteration, str(directory)]})
+        self.train(name, *flags, "--save", str(directory), "--load", str(directory))
+        return directory
+
+    def logs(self) -> Dict[str, Log]:
+        steps = self.cwd / f"steps_{len(list(self.cwd.glob('steps_*.json')))}.json"
+        steps.write_text(json.dumps(self.steps))
+        runs = [step["run"] for step in self.steps if "run" in step]
+        proc = launch(self.nproc, str(Path(__file__).parent / "workers" / "run_sequence.py"), str(steps),
+                      cwd=self.cwd, timeout=300 + 120 * len(runs))
+        outputs = [proc.stdout.split(RUN_MARKER), proc.stderr.split(RUN_MARKER)]
+        logs = {}
+        for stdout, stderr in zip(*(output[1:] for output in outputs)):
+            name, stdout = stdout.split("\n", 1)
+            logs[name] = Log(stdout, stderr.split("\n", 1)[1])
+        assert list(logs) == runs, f"runs logged: {list(logs)}, launched: {runs}"
+        return logs
 
 
 def copy_checkpoint(saved: Path, iteration: int, directory: Path) -> Path:

@@ -19,7 +19,7 @@ import argparse
 import re
 
 import pytest
-from megatron_lm import M6, check_resumed_run, copy_checkpoint, needs_megatron_lm, resume_from, same_losses, train
+from megatron_lm import M6, Sequence, check_resumed_run, needs_megatron_lm, resume_from, same_losses
 
 from ds_pseudo_real.sharing import groups_in_range
 from megatron_patches.run import format_layout, parse_layout
@@ -42,43 +42,41 @@ LAYER = 49_984
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One launch per configuration: the references, every layout resumed from them, and relaunches of the
-    layouts' own checkpoints at the switch (pseudo model) and after it (real model)."""
+    """The references, every layout resumed from them, and relaunches of the layouts' own checkpoints at the
+    switch (pseudo model) and after it (real model): two launches (one rank, two ranks), each running its
+    configurations one after the other (``Sequence``)."""
     tmp = tmp_path_factory.mktemp("layouts")
-    r = {}
+    one, two, directories = Sequence(1, tmp), Sequence(2, tmp), {}
 
-    def reference(name, nproc, *flags):
-        r[name] = train(nproc, *COMMON, *flags, "--save", str(tmp / name), cwd=tmp)
-        r[name + "_dir"] = tmp / name
+    def reference(sequence, name, *flags):
+        sequence.train(name, *COMMON, *flags, "--save", str(tmp / name))
+        directories[name] = tmp / name
 
-    def layout(name, ref, nproc, *flags):
-        r[name], r[name + "_dir"] = resume_from(r[ref + "_dir"], 1, nproc, *COMMON, *flags, cwd=tmp, name=name)
+    def layout(name, ref, *flags):
+        directories[name] = two.resume_from(name, directories[ref], 1, *COMMON, *flags)
 
-    reference("ref_g1", 1, *G1)
-    reference("ref_g2", 1, *G2)
-    reference("ref_moe", 2, *MOE)
-    layout("pp2_g1", "ref_g1", 2, *G1, *PP2)
-    layout("pp2_g2", "ref_g2", 2, *G2, *PP2)
-    layout("vpp2_g1", "ref_g1", 2, *G1, *PP2, "--num-layers-per-virtual-pipeline-stage", "1")
-    layout("tp2_g1", "ref_g1", 2, *G1, *TP2)
-    layout("tp2_sp_g2", "ref_g2", 2, *G2, *TP2, "--sequence-parallel")
-    layout("tp2_sp_ep2_moe", "ref_moe", 2, *MOE, *TP2, "--sequence-parallel", "--expert-tensor-parallel-size", "1")
+    reference(one, "ref_g1", *G1)
+    reference(one, "ref_g2", *G2)
+    reference(two, "ref_moe", *MOE)
+    layout("pp2_g1", "ref_g1", *G1, *PP2)
+    layout("pp2_g2", "ref_g2", *G2, *PP2)
+    layout("vpp2_g1", "ref_g1", *G1, *PP2, "--num-layers-per-virtual-pipeline-stage", "1")
+    layout("tp2_g1", "ref_g1", *G1, *TP2)
+    layout("tp2_sp_g2", "ref_g2", *G2, *TP2, "--sequence-parallel")
+    layout("tp2_sp_ep2_moe", "ref_moe", *MOE, *TP2, "--sequence-parallel", "--expert-tensor-parallel-size", "1")
     for name, flags, iteration in [("pp2_g1", [*G1, *PP2], SWITCH), ("tp2_g1", [*G1, *TP2], SWITCH + 1)]:
-        directory = copy_checkpoint(r[name + "_dir"], iteration, tmp / f"{name}_killed_after_{iteration}")
-        r[f"{name}_from_{iteration}"] = train(2, *COMMON, *flags, "--load", str(directory), "--save",
-                                              str(directory), cwd=tmp)
+        two.resume_from(f"{name}_from_{iteration}", directories[name], iteration, *COMMON, *flags)
     # A layout per stage: data parallel (2 ranks) in the pseudo stage, then TP=2 or PP=2; the distributed optimizer
     # in its default checkpoint format (only data-parallel reshardable).
     for real in ("tp=2", "pp=2"):
-        name, directory = f"dp2_to_{real[:2]}2", tmp / f"dp2_to_{real[:2]}2"
-        r[name] = train(2, *SWITCHING, *G1, "--pseudo-to-real-real-layout", real, "--save", str(directory),
-                        "--load", str(directory), cwd=tmp)
-        r[name + "_dir"] = directory
+        name = f"dp2_to_{real[:2]}2"
+        directories[name] = tmp / name
+        two.train(name, *SWITCHING, *G1, "--pseudo-to-real-real-layout", real, "--save", str(directories[name]),
+                  "--load", str(directories[name]))
     # The same command relaunched after a kill in the real stage: it takes the real layout by itself.
-    directory = copy_checkpoint(r["dp2_to_tp2_dir"], SWITCH + 1, tmp / "dp2_to_tp2_killed")
-    r["dp2_to_tp2_relaunched"] = train(2, *SWITCHING, *G1, "--pseudo-to-real-real-layout", "tp=2", "--save",
-                                       str(directory), "--load", str(directory), cwd=tmp)
-    return r
+    two.resume_from("dp2_to_tp2_relaunched", directories["dp2_to_tp2"], SWITCH + 1, *SWITCHING, *G1,
+                    "--pseudo-to-real-real-layout", "tp=2")
+    return {**one.logs(), **two.logs(), **{name + "_dir": directory for name, directory in directories.items()}}
 
 
 @needs_megatron_lm

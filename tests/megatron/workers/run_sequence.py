@@ -1,0 +1,52 @@
+"""Several runs of a Megatron-LM training script through the drop-in in one launch, for the tests: each run as
+``python -m megatron_patches.run SCRIPT FLAGS...`` makes it, one after the other in the same processes, with
+Megatron-LM's own teardown between them (``destroy_global_state``, as the drop-in's in-process layout switch uses);
+one gloo process group for all of them. One launch instead of one per run saves each run the start of the processes and their
+imports, and torch.compile's first compilations of Megatron's fused functions.
+
+Usage: run_sequence.py STEPS.json, a list of steps in order:
+  {"run": NAME, "argv": [SCRIPT, FLAG...]}   a run; its output starts with a line "=== run NAME" (stdout and stderr)
+  {"copy": [SAVED, ITERATION, DIRECTORY]}     rank 0 copies SAVED's checkpoint of ITERATION into DIRECTORY alone
+                                             (as after a crash right after it was written); the others wait
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+import torch.distributed as dist
+from megatron_lm import RUN_MARKER, copy_checkpoint
+
+from megatron_patches.run import run_script
+
+
+def main(steps_file: str) -> None:
+    import megatron.training.training as training_module
+
+    dist.init_process_group("gloo")  # before a copy step's barrier; Megatron-LM takes an initialised group as it is
+    try:
+        for step in json.loads(Path(steps_file).read_text()):
+            if "copy" in step:
+                saved, iteration, directory = step["copy"]
+                if dist.get_rank() == 0:
+                    copy_checkpoint(Path(saved), iteration, Path(directory))
+                dist.barrier()
+                continue
+            # Every rank's output of the run before is out before the line, the run's after it.
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            dist.barrier()
+            if dist.get_rank() == 0:
+                for stream in (sys.stdout, sys.stderr):
+                    print(RUN_MARKER + step["run"], file=stream, flush=True)
+            dist.barrier()
+            run_script(step["argv"][0], step["argv"][1:])
+            training_module.destroy_global_state()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
