@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, free_port
-from megatron_lm import M6, MEGATRON_LM, TINY, check_resumed_run, needs_megatron_lm, pretrain, resume_from, train
+from megatron_lm import M6, MEGATRON_LM, TINY, Sequence, check_resumed_run, needs_megatron_lm, pretrain
 
 from megatron_patches.run import (RELEASE, TRACKER_FILE, check_arguments, checkpoint_to_load,
                                   pseudo_stage_at_start)
@@ -20,30 +20,38 @@ SWITCH = 3
 PSEUDO_PARAMS, REAL_PARAMS = 68_544, 68_544 + 3 * 49_984
 
 
-def checkpoint_and_resume_across_the_switch(nproc: int, extra: list, tmp: Path, resume_twice: bool) -> dict:
+def checkpoint_and_resume_across_the_switch(nproc: int, extra: list, tmp: Path, resume_twice: bool) -> Sequence:
     """The uninterrupted run (switch at 3 of 8, a torch_dist checkpoint every iteration), the same run never
     delinking, and a relaunch from the pseudo model saved at the switch (it delinks on resuming); with
-    ``resume_twice``, another from the real model that relaunch saved after the switch."""
+    ``resume_twice``, another from the real model that relaunch saved after the switch. In one launch."""
     common = [*extra, "--train-iters", "8", "--pseudo-to-real-switch-iter", str(SWITCH)]
-    full = train(nproc, *common, "--save", str(tmp / "full"), "--save-interval", "1", cwd=tmp)
-    never = train(nproc, *extra, "--train-iters", "8", "--exit-interval", "4", "--pseudo-to-real-switch-iter", "100",
-                  cwd=tmp)
-    at_switch, saved = resume_from(tmp / "full", SWITCH, nproc, *common, "--save-interval", "2", cwd=tmp)
-    runs = {"full": full, "never": never, "at_switch": at_switch, "checkpoints": tmp / "full"}
+    runs = Sequence(nproc, tmp)
+    runs.train("full", *common, "--save", str(tmp / "full"), "--save-interval", "1")
+    runs.train("never", *extra, "--train-iters", "8", "--exit-interval", "4", "--pseudo-to-real-switch-iter", "100")
+    saved = runs.resume_from("at_switch", tmp / "full", SWITCH, *common, "--save-interval", "2")
     if resume_twice:
-        runs["after_switch"], _ = resume_from(saved, SWITCH + 1, nproc, *common, "--save-interval", "100", cwd=tmp)
+        runs.resume_from("after_switch", saved, SWITCH + 1, *common, "--save-interval", "100")
     return runs
 
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    return checkpoint_and_resume_across_the_switch(1, [], tmp_path_factory.mktemp("one_rank"), resume_twice=False)
+    """The runs above on one rank, and in the same launch (last: Megatron's persistent checkpoint worker stays
+    until the process ends) the uninterrupted run with ``--async-save``, then its relaunch from the switch."""
+    tmp = tmp_path_factory.mktemp("one_rank")
+    runs = checkpoint_and_resume_across_the_switch(1, [], tmp, resume_twice=False)
+    common = ["--train-iters", "8", "--pseudo-to-real-switch-iter", str(SWITCH), "--async-save",
+              "--use-persistent-ckpt-worker"]
+    runs.train("async", *common, "--save", str(tmp / "async"), "--save-interval", "1")
+    runs.resume_from("async_at_switch", tmp / "async", SWITCH, *common, "--save-interval", "100")
+    return {**runs.logs(), "checkpoints": tmp / "full", "async_checkpoints": tmp / "async"}
 
 
 @pytest.fixture(scope="module")
 def two_ranks_distributed_optimizer(tmp_path_factory):
-    return checkpoint_and_resume_across_the_switch(2, ["--use-distributed-optimizer"],
-                                                   tmp_path_factory.mktemp("two_ranks"), resume_twice=True)
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    runs = checkpoint_and_resume_across_the_switch(2, ["--use-distributed-optimizer"], tmp, resume_twice=True)
+    return runs.logs()
 
 
 @needs_megatron_lm
@@ -78,17 +86,16 @@ def test_torch_dist_checkpoints_resume_across_the_switch(runs, request):
 
 
 @needs_megatron_lm
-def test_async_save_in_the_pseudo_stage_and_across_the_switch_resumes_exactly(one_rank, tmp_path):
+def test_async_save_in_the_pseudo_stage_and_across_the_switch_resumes_exactly(one_rank):
     """Megatron's ``--async-save`` (torch_dist, its persistent checkpoint worker) on the run of ``one_rank``: every
     iteration's checkpoint is written in the background while the pseudo model trains, delinks at 3 and trains on,
     with the synchronous run's losses; relaunched from the pseudo model saved asynchronously at the switch, the run
     delinks and prints the uninterrupted losses (fp32)."""
-    common = ["--train-iters", "8", "--pseudo-to-real-switch-iter", str(SWITCH), "--async-save",
-              "--use-persistent-ckpt-worker"]
-    run = train(1, *common, "--save", str(tmp_path / "async"), "--save-interval", "1", cwd=tmp_path)
+    run = one_rank["async"]
     assert run.losses == one_rank["full"].losses and run.params == [PSEUDO_PARAMS, REAL_PARAMS]
-    assert sorted(p.name for p in (tmp_path / "async").glob("iter_*")) == [f"iter_{i:07d}" for i in range(1, 9)]
-    resumed, _ = resume_from(tmp_path / "async", SWITCH, 1, *common, "--save-interval", "100", cwd=tmp_path)
+    assert sorted(p.name for p in one_rank["async_checkpoints"].glob("iter_*")) == [
+        f"iter_{i:07d}" for i in range(1, 9)]
+    resumed = one_rank["async_at_switch"]
     check_resumed_run(one_rank["full"], resumed, SWITCH + 1, 8)
     assert resumed.params == [PSEUDO_PARAMS, REAL_PARAMS]
 
@@ -114,14 +121,16 @@ def test_m6_moe_expert_parallel_2_bf16_two_groups(tmp_path):
     pseudo model at the switch resumes into the same losses."""
     common = [*M6, "--disable-bias-linear", "--bf16", "--no-masked-softmax-fusion", "--use-distributed-optimizer",
               "--overlap-grad-reduce", "--train-iters", "6", "--pseudo-to-real-groups", "2"]
-    full = train(2, *common, "--pseudo-to-real-switch-iter", str(SWITCH), "--save", str(tmp_path / "full"),
-                 "--save-interval", str(SWITCH), cwd=tmp_path)
-    never = train(2, *common, "--pseudo-to-real-switch-iter", "100", "--exit-interval", "4", cwd=tmp_path)
+    runs = Sequence(2, tmp_path)
+    runs.train("full", *common, "--pseudo-to-real-switch-iter", str(SWITCH), "--save", str(tmp_path / "full"),
+               "--save-interval", str(SWITCH))
+    runs.train("never", *common, "--pseudo-to-real-switch-iter", "100", "--exit-interval", "4")
+    runs.resume_from("resumed", tmp_path / "full", SWITCH, *common, "--pseudo-to-real-switch-iter", str(SWITCH),
+                     "--save-interval", "100")
+    full, never, resumed = runs.logs().values()
     assert [full.losses[i] for i in (1, 3, 4)] == [never.losses[i] for i in (1, 3, 4)]
     # Rank 0's parameters (2 of the 4 experts of every layer): two layers' sets, then four.
     assert full.params == [183_424, 348_288] and never.params == [183_424]
-    resumed, _ = resume_from(tmp_path / "full", SWITCH, 2, *common, "--pseudo-to-real-switch-iter", str(SWITCH),
-                             "--save-interval", "100", cwd=tmp_path)
     check_resumed_run(full, resumed, SWITCH + 1, 6)
 
 

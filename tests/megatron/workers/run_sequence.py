@@ -42,7 +42,11 @@ def main(steps_file: str) -> None:
                 for stream in (sys.stdout, sys.stderr):
                     print(RUN_MARKER + step["run"], file=stream, flush=True)
             dist.barrier()
-            run_script(step["argv"][0], step["argv"][1:])
+            try:
+                run_script(step["argv"][0], step["argv"][1:])
+            except SystemExit as stop:  # Megatron-LM ends a run at --exit-interval with sys.exit(0)
+                if stop.code not in (0, None):
+                    raise
             training_module.destroy_global_state()
     finally:
         dist.destroy_process_group()
