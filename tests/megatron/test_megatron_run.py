@@ -34,13 +34,10 @@ def checkpoint_and_resume_across_the_switch(nproc: int, extra: list, tmp: Path, 
     return runs
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """The runs above on one rank, and in the same launch (last: Megatron's persistent checkpoint worker stays
-    until the process ends) the uninterrupted run with ``--async-save``, then its relaunch from the switch."""
-    tmp = tmp_path_factory.mktemp("one_rank")
-    runs = checkpoint_and_resume_across_the_switch(1, [], tmp, resume_twice=False)
-    common = ["--train-iters", "8", "--pseudo-to-real-switch-iter", str(SWITCH), "--async-save",
+def with_async_saves(runs: Sequence, extra: list, tmp: Path) -> dict:
+    """``runs`` and, in the same launch (last: Megatron's persistent checkpoint worker stays until the process
+    ends), the uninterrupted run with ``--async-save``, then its relaunch from the switch."""
+    common = [*extra, "--train-iters", "8", "--pseudo-to-real-switch-iter", str(SWITCH), "--async-save",
               "--use-persistent-ckpt-worker"]
     runs.train("async", *common, "--save", str(tmp / "async"), "--save-interval", "1")
     runs.resume_from("async_at_switch", tmp / "async", SWITCH, *common, "--save-interval", "100")
@@ -48,10 +45,15 @@ def one_rank(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one_rank")
+    return with_async_saves(checkpoint_and_resume_across_the_switch(1, [], tmp, resume_twice=False), [], tmp)
+
+
+@pytest.fixture(scope="module")
 def two_ranks_distributed_optimizer(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("two_ranks")
-    runs = checkpoint_and_resume_across_the_switch(2, ["--use-distributed-optimizer"], tmp, resume_twice=True)
-    return runs.logs()
+    tmp, extra = tmp_path_factory.mktemp("two_ranks"), ["--use-distributed-optimizer"]
+    return with_async_saves(checkpoint_and_resume_across_the_switch(2, extra, tmp, resume_twice=True), extra, tmp)
 
 
 @needs_megatron_lm
@@ -86,18 +88,17 @@ def test_torch_dist_checkpoints_resume_across_the_switch(runs, request):
 
 
 @needs_megatron_lm
-def test_async_save_in_the_pseudo_stage_and_across_the_switch_resumes_exactly(one_rank):
-    """Megatron's ``--async-save`` (torch_dist, its persistent checkpoint worker) on the run of ``one_rank``: every
-    iteration's checkpoint is written in the background while the pseudo model trains, delinks at 3 and trains on,
-    with the synchronous run's losses; relaunched from the pseudo model saved asynchronously at the switch, the run
-    delinks and prints the uninterrupted losses (fp32)."""
-    run = one_rank["async"]
-    assert run.losses == one_rank["full"].losses and run.params == [PSEUDO_PARAMS, REAL_PARAMS]
-    assert sorted(p.name for p in one_rank["async_checkpoints"].glob("iter_*")) == [
-        f"iter_{i:07d}" for i in range(1, 9)]
-    resumed = one_rank["async_at_switch"]
-    check_resumed_run(one_rank["full"], resumed, SWITCH + 1, 8)
-    assert resumed.params == [PSEUDO_PARAMS, REAL_PARAMS]
+@pytest.mark.parametrize("runs", ["one_rank", "two_ranks_distributed_optimizer"])
+def test_async_save_in_the_pseudo_stage_and_across_the_switch_resumes_exactly(runs, request):
+    """Megatron's ``--async-save`` (torch_dist, its persistent checkpoint worker), on one rank and on 2 with the
+    distributed optimizer: every iteration's checkpoint is written in the background while the pseudo model
+    trains, delinks at 3 and trains on, with the synchronous run's losses; relaunched from the pseudo model saved
+    asynchronously at the switch, the run delinks and prints the uninterrupted losses (fp32)."""
+    r = request.getfixturevalue(runs)
+    assert r["async"].losses == r["full"].losses and r["async"].params == [PSEUDO_PARAMS, REAL_PARAMS]
+    assert sorted(p.name for p in r["async_checkpoints"].glob("iter_*")) == [f"iter_{i:07d}" for i in range(1, 9)]
+    check_resumed_run(r["full"], r["async_at_switch"], SWITCH + 1, 8)
+    assert r["async_at_switch"].params == [PSEUDO_PARAMS, REAL_PARAMS]
 
 
 @needs_megatron_lm
