@@ -1,7 +1,8 @@
-"""Checkpoints of the run through its DeepSpeed engine: save and publish, verify and select, restore, convert hand-off.
+"""Checkpoints of the run through its DeepSpeed engine: save and publish, restore, convert hand-off.
 
-Owns: what a checkpoint of the current stage holds and what resuming from one restores and checks. Must not build
-engines itself (the stage builder does) nor lay out folders (``checkpoint`` does, knowing nothing of DeepSpeed).
+Owns: what a checkpoint of the current stage holds and what resuming from one restores. Must not build engines
+itself (the stage builder does), choose a checkpoint or check that this run may and did resume from it
+(``resume_checks`` does) nor lay out folders (``checkpoint`` does, knowing nothing of DeepSpeed).
 """
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from . import checkpoint as ckpt
-from . import ds_state, run_lock
+from . import ds_state, resume_checks, run_lock
 from .background_checkpoint import BackgroundCheckpoints, BackgroundSave
-from .callbacks import PSEUDO, REAL, RunState, TrainingState
-from .config import CheckpointOptions, ConfigError
+from .callbacks import REAL, RunState, TrainingState
+from .config import CheckpointOptions
 from .rank0 import is_rank0, log_rank0
 from .stages import StageBuilder
 
@@ -56,36 +57,6 @@ def restore_swapped_state(engine, folder: str, side: Dict[str, Any], optimizer_l
             f"could not restore the optimizer state swapped to NVMe from checkpoint {folder} (rank "
             f"{', '.join(map(str, ranks))}): {reports[ranks[0]]}")
     ds_state.regather_persistent_parameters(engine)
-
-
-def check_state_restored(engine, folder: str, side: Dict[str, Any], optimizer_loaded: bool) -> None:
-    """Collective: raise :class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank when DeepSpeed's load
-    left any rank with other weights, or (when it loaded the optimizer state) other fp32 masters or moments, than
-    that rank saved (its :func:`~ds_pseudo_real.ds_state.state_fingerprint` in the sidecar), instead of training
-    on from them. Checkpoints saved without fingerprints are not checked."""
-    saved = side.get("state")
-    rank, world = ckpt.rank_and_world()
-    if saved is not None and len(saved) != world:  # ZeRO 0 on another world size: every rank holds all
-        saved = [saved[0]] * world if engine.zero_optimization_stage() == 0 else None
-    expected = saved[rank] if saved is not None else None
-    found = ds_state.state_fingerprint(engine) if expected is not None else None
-    differ = []
-    for part in ("weights", "optimizer") if optimizer_loaded else ("weights",):
-        if found is not None and expected.get(part) is not None and any(
-                abs(a - b) > 1e-9 * max(1.0, abs(b)) for a, b in zip(found[part], expected[part])):
-            differ.append(part)
-    reports = ckpt.gather(differ)
-    ranks = [r for r, parts in enumerate(reports) if parts]
-    if ranks:
-        names = {"weights": "weights", "optimizer": "optimizer state (fp32 masters, moments)"}
-        what = " and ".join(names[p] for p in names if any(p in parts for parts in reports))
-        swapped = " (ZeRO-3 with offload_optimizer nvme: the swapped sub-groups were read from the checkpoint's "\
-                  "offloaded_tensors files)" if ds_state.swapped_sub_groups(engine) else ""
-        here = (f"; on rank {rank}: " + ", ".join(f"{p} sum and sum of squares {found[p]}, saved {expected[p]}"
-                                                  for p in differ)) if differ else ""
-        raise ckpt.CheckpointError(
-            f"DeepSpeed loaded checkpoint {folder}, but the {what} of rank {', '.join(map(str, ranks))} are not "
-            f"the ones saved{swapped}{here}; training on would silently start from another state")
 
 
 class CheckpointIO:
@@ -275,21 +246,14 @@ class CheckpointIO:
             if load_dir is None:
                 raise ValueError("load_checkpoint: give load_dir, or tag as the path of a checkpoint folder")
             self._prepare_dir(load_dir)
-            chosen = ckpt.select_resume(load_dir, mode)
-            if chosen is None:
-                self.rewind_monitors()  # the run starts here: what an earlier one logged after this step goes
-                return None, {}
-            tag, verdict = chosen
-        else:
-            load_dir, tag = ckpt.resolve(load_dir, tag)
-            verdict = ckpt.verify(load_dir, tag, mode)
-            if not verdict.ok:
-                raise ckpt.CheckpointError(
-                    f"checkpoint {verdict.folder} cannot be loaded: {'; '.join(verdict.problems)}"
-                )
+        chosen = resume_checks.choose(load_dir, tag, mode)
+        if chosen is None:
+            self.rewind_monitors()  # the run starts here: what an earlier one logged after this step goes
+            return None, {}
+        load_dir, tag, verdict = chosen
         log_rank0(verdict.summary())
         side = ckpt.read_sidecar(load_dir, tag)
-        self._check_compatible(load_dir, tag, side)
+        resume_checks.check_compatible(self._stages, self._run.state.stage, load_dir, tag, side)
         if side["kind"] == "converted":
             return self._load_converted(load_dir, tag, side)
         stages = self._stages
@@ -320,7 +284,7 @@ class CheckpointIO:
         restore_swapped_state(engine, os.path.join(load_dir, tag), side, optimizer_loaded)
         if optimizer_loaded:
             ds_state.replay_cpu_adam_steps(engine)
-        check_state_restored(engine, os.path.join(load_dir, tag), side, optimizer_loaded)
+        resume_checks.check_state_restored(engine, os.path.join(load_dir, tag), side, optimizer_loaded)
         client = dict(client or {})
         self._restore_plugin_state(client.pop(CLIENT_KEY))
         self.rewind_monitors()
@@ -332,45 +296,6 @@ class CheckpointIO:
     def rewind_monitors(self) -> None:
         """See :meth:`~ds_pseudo_real.controller.PseudoToRealController.rewind_monitors`."""
         ds_state.rewind_monitors(self._stages.engine)
-
-    def _check_compatible(self, load_dir: str, tag: str, side: Dict[str, Any]) -> None:
-        """Refuse, before DeepSpeed reads anything, a checkpoint this run cannot load, saying what to do instead."""
-        stages = self._stages
-        where = f"checkpoint {os.path.join(load_dir, tag)}"
-        if side["num_layers"] != stages.num_layers or side["layers"] != stages.layer_path:
-            raise ConfigError(
-                f"{where} has {side['num_layers']} layers at {side['layers']!r}; "
-                f"this model has {stages.num_layers} at {stages.layer_path!r}"
-            )
-        converted = f"{os.path.normpath(load_dir)}_converted"
-        if side["stage"] == PSEUDO and self._run.state.stage == REAL:
-            raise ConfigError(
-                f"{where} is a pseudo-stage checkpoint but this run is in the real stage "
-                f"(pseudo_to_real.enabled is false?); expand it to the real model with `ds-pseudo-real convert "
-                f"--to-real --input {load_dir} --tag {tag} --output {converted}` and resume from "
-                f"{os.path.join(converted, tag)}"
-            )
-        saved = (side.get("depth", stages.num_layers), side["groups"])
-        if side["stage"] == PSEUDO and saved not in stages.stages:
-            groups = [groups for _, groups in stages.stages]
-            raise ConfigError(f"{where} has {saved[1]} parameter groups of {saved[0]} layers; this run's stages have "
-                              f"{groups[:-1] if groups[-1] == stages.num_layers else groups}"
-                              f" (pseudo_to_real.groups or schedule)")
-        if side["kind"] == "converted":
-            return
-        world = ckpt.rank_and_world()[1]
-        zero = stages.engine.zero_optimization_stage()
-        saved_world, saved_zero = side.get("world_size", world), side.get("zero_stage", zero)
-        if saved_zero != zero or (zero > 0 and saved_world != world):
-            raise ckpt.CheckpointError(
-                f"{where} was saved by {saved_world} ranks at ZeRO stage {saved_zero}; this run has {world} ranks at "
-                f"ZeRO stage {zero}, and DeepSpeed's ZeRO optimizer state only loads on the layout that saved it. "
-                f"Convert it, then resume from the converted one, which keeps the weights, steps, LR schedule, "
-                f"trigger state and its stage (a pseudo-stage one goes on in the pseudo stage and delinks where "
-                f"configured); Adam moments start at zero:\n  ds-pseudo-real convert --input {load_dir} --tag {tag} "
-                f"--output {converted}\nand run with --resume-from {os.path.join(converted, tag)} "
-                f"(or go back to {saved_world} ranks at ZeRO stage {saved_zero})"
-            )
 
     def _restore_plugin_state(self, plugin: Dict[str, Any]) -> None:
         state = self._run.state = TrainingState.from_dict(plugin["state"])

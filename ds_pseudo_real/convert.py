@@ -56,7 +56,7 @@ def _offload_own_weights(folder: Path, model_states: Dict, known: set) -> Dict[s
     """Weights of granular offload's host_params groups, which it steps outside DeepSpeed's optimizer (so
     ``zero_to_fp32`` does not see them): their fp32 masters from the optimizer state (the same on every rank),
     else (fp32, where the host params are the master) the module's own values."""
-    from .offload.optimizer import OWN_GROUPS_KEY
+    from .offload.optimizer_state import OWN_GROUPS_KEY
 
     files = sorted(glob.glob(str(folder / "*optim_states.pt")))
     if not files:

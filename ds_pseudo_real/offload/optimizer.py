@@ -1,13 +1,13 @@
 """GranularOffloadOptimizer: Adam(W) whose parameter groups are stepped where the plan placed them.
 
 Owns: the client optimizer handed to ``deepspeed.initialize``: its param groups and optimizer state, the dispatch
-of each group to its level, checkpoints and the byte accounting. The host step is :class:`HostAdam`'s (host_adam),
-the own groups' gradients :class:`OwnGradients`' (gradients), host-resident params the ``HostParamStore``'s
-(params). Must not plan (``planner``) or touch the engine (``ds_pseudo_real.offload.attach_to_engine``). Written
-against DeepSpeed 0.19.8: ZeRO 1/2 and the bf16 optimizer rewrite each group's ``params`` in place to one flat fp32
-partition and swap ``param_groups`` to a single group during ``step``, so every step reads the live group dicts
-and every state lives in ``self.state`` keyed by the group's own params (an inner optimizer with its own param
-lists would silently never update the weights).
+of each group to its level and the byte accounting. The host step is :class:`HostAdam`'s (host_adam), the own
+groups' gradients :class:`OwnGradients`' (gradients), host-resident params the ``HostParamStore``'s (params), where
+each state lives and the checkpoints ``optimizer_state``'s. Must not plan (``planner``) or touch the engine
+(``ds_pseudo_real.offload.attach_to_engine``). Written against DeepSpeed 0.19.8: ZeRO 1/2 and the bf16 optimizer
+rewrite each group's ``params`` in place to one flat fp32 partition and swap ``param_groups`` to a single group
+during ``step``, so every step reads the live group dicts and every state lives in ``self.state`` keyed by the
+group's own params (an inner optimizer with its own param lists would silently never update the weights).
 
 Group keys: ``placement`` (the plan's group name, ``layer3``, ``layer3.experts``, ``other``) and ``level``; expert
 groups also carry DeepSpeed's MoE keys ``moe: True`` and ``name`` (the DeepSpeed expert group, e.g. ``ep_size_2``),
@@ -39,14 +39,12 @@ import torch
 
 from ds_pseudo_real import ds_state
 from ds_pseudo_real.device import rank_device
+from ds_pseudo_real.offload import optimizer_state
 from ds_pseudo_real.offload.gradients import OwnGradients
 from ds_pseudo_real.offload.host_adam import BATCH_NUMEL, HOST, HOST_PARAMS, HostAdam
+from ds_pseudo_real.offload.optimizer_state import OWN_GROUPS_KEY, place_state, steps_on_device
 from ds_pseudo_real.offload.planner import PlacementLevel
 
-# kept from the current plan when a checkpoint is loaded: ours, and DeepSpeed's MoE keys (checkpoints written
-# before expert groups existed hold the plan's group name under "name")
-_GROUP_KEYS = ("placement", "level", "moe", "name")
-OWN_GROUPS_KEY = "granular_offload_own_groups"  # the own groups' states in ``state_dict()``
 _SCHEDULED_KEYS = ("lr", "betas")  # what LR/momentum schedulers set on param_groups: own groups follow them
 
 
@@ -147,10 +145,10 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
 
     def seed_states(self, step: Any, unwritten: ds_state.UnwrittenMoments) -> None:
         """Moments and the step count ``step`` (an int or a tensor) for every param, placed where this plan steps
-        them, as a loaded checkpoint's (:meth:`_place_state`), and the CPU kernel's bias correction brought to
-        ``step``: the state a delink writes the carried moments into. The moments are left unfilled and recorded in
-        ``unwritten``, for the delink to write once and zero what it did not write. Nothing is allocated on the
-        device for a group the plan steps on the host."""
+        them, as a loaded checkpoint's (:func:`~ds_pseudo_real.offload.optimizer_state.place_state`), and the CPU
+        kernel's bias correction brought to ``step``: the state a delink writes the carried moments into. The
+        moments are left unfilled and recorded in ``unwritten``, for the delink to write once and zero what it did
+        not write. Nothing is allocated on the device for a group the plan steps on the host."""
         step = int(step.item()) if torch.is_tensor(step) else int(step)
         for group in self.param_groups + self.own_param_groups:
             for p in group["params"]:
@@ -159,10 +157,10 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                 state["step"] = step
                 for key in ("exp_avg", "exp_avg_sq"):
                     state[key] = (ds_state.moments.unfilled(p.shape, p.device)
-                                  if self._steps_on_device(p, group["level"])
+                                  if steps_on_device(p, group["level"])
                                   else self.host.buffer(p, key, filled=False))
                     unwritten.add(state[key])
-                self._place_state(state, p, group["level"])
+                place_state(self.host, state, p, group["level"])
         self.host.replay_kernel_steps(step, self.param_groups[0])
 
     # ----- step ----------------------------------------------------------------------------------------------
@@ -280,12 +278,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         """torch's state dict of ``param_groups``, plus the own groups' states and (bf16) fp32 masters in order."""
         out = super().state_dict()
         if self.own_param_groups:
-            out[OWN_GROUPS_KEY] = [
-                {"placement": g["placement"], "numels": [p.numel() for p in g["params"]],
-                 "names": g.get("param_names"),
-                 "states": [self.own_state.get(p, {}) for p in g["params"]],
-                 "masters": [None if self.host.stale(p) else self.host.masters.get(p) for p in g["params"]]}
-                for g in self.own_param_groups]
+            out[OWN_GROUPS_KEY] = optimizer_state.own_groups_state(self)
         return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -294,76 +287,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         ``Optimizer.load_state_dict`` would first move every state onto its param's device: all the state the plan
         keeps off the device, there at once), and the host masters are re-read from the params (own groups' bf16
         masters: restored as saved)."""
-        state_dict = dict(state_dict)
-        own = state_dict.pop(OWN_GROUPS_KEY, [])
-        host_states = self._take_host_states(state_dict)
-        layout = [(g["placement"], [p.numel() for p in g["params"]]) for g in self.own_param_groups]
-        if [(g["placement"], g["numels"]) for g in own] != layout:
-            raise ValueError(f"optimizer checkpoint: its granular offload host_params groups "
-                             f"{[g['placement'] for g in own]} (outside DeepSpeed's optimizer, ZeRO >= 1 or bf16) "
-                             f"differ from this plan's {[name for name, _ in layout]}; load it with the plan it was "
-                             f"saved with, or load the module weights only")
-        placement = [{k: g[k] for k in _GROUP_KEYS if k in g} for g in self.param_groups]
-        super().load_state_dict(state_dict)
-        for group, keep in zip(self.param_groups, placement):
-            for key in _GROUP_KEYS:
-                group.pop(key, None)
-            group.update(keep)
-            for p in group["params"]:
-                if p in host_states:
-                    self.state[p] = host_states.pop(p)
-                if self.state.get(p):
-                    self._place_state(self.state[p], p, group["level"])
-        self.refresh_host_masters()
-        for group, saved in zip(self.own_param_groups, own):
-            for p, state, master in zip(group["params"], saved["states"], saved["masters"]):
-                if state:
-                    self.own_state[p] = dict(state)
-                    self._place_state(self.own_state[p], p, group["level"])
-                if master is not None:
-                    self.host.set_master(p, group["level"], master)
-        self.own_gradients.drop()
-        states = list(self.state.values()) + list(self.own_state.values())
-        steps = [st["step"] for st in states if isinstance(st.get("step"), int)]
-        self.host.replay_kernel_steps(max(steps, default=0), self.param_groups[0])
-
-    def _take_host_states(self, state_dict: Dict[str, Any]) -> Dict[torch.Tensor, Dict[str, Any]]:
-        """Take out of ``state_dict`` (its ``state`` replaced by a copy) the saved states of the params this plan
-        steps on the host, by param (torch 2.x's layout: states keyed by the params' positions in the saved
-        ``param_groups``), each a new dict of the saved tensors as they are."""
-        state = dict(state_dict["state"])
-        state_dict["state"] = state
-        taken = {}
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            for p, saved_id in zip(group["params"], saved["params"]):
-                if saved_id in state and not self._steps_on_device(p, group["level"]):
-                    taken[p] = dict(state.pop(saved_id))
-        return taken
-
-    @staticmethod
-    def _steps_on_device(p: torch.Tensor, level: str) -> bool:
-        """True when torch's fused CUDA Adam steps ``p``; else DeepSpeed's CPU Adam kernel does, on the host."""
-        return level == PlacementLevel.DEVICE.value and p.is_cuda
-
-    def _place_state(self, state: Dict[str, Any], p: torch.Tensor, level: str) -> None:
-        """Put loaded or seeded moments where this plan steps them: the CPU kernel takes host tensors (its group's
-        flat buffers, pinned on CUDA) and an int step; torch's fused CUDA Adam takes device tensors and a float32 step tensor there."""
-        on_cuda = self._steps_on_device(p, level)
-        for key in ("exp_avg", "exp_avg_sq"):
-            if on_cuda:
-                state[key] = state[key].to(p.device)
-            else:
-                host = self.host.buffer(p, key)  # the group's flat host buffer, where the CPU kernel steps it
-                if state[key].data_ptr() != host.data_ptr():
-                    host.copy_(state[key])
-                    state[key] = host
-        step = state["step"]
-        if on_cuda and not torch.is_tensor(step):
-            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
-        elif on_cuda:
-            state["step"] = step.to(device=p.device, dtype=torch.float32)
-        elif torch.is_tensor(step):
-            state["step"] = int(step.item())
+        optimizer_state.load_state_dict(self, state_dict, super().load_state_dict)
 
     def refresh_host_masters(self) -> None:
         """Re-read the host masters from the params at the next step. Needed after anything writes the params
