@@ -1,7 +1,8 @@
-"""The ``pseudo_to_real`` section of a DeepSpeed JSON config, validated like DeepSpeed's own sections.
+"""The ``pseudo_to_real`` and ``checkpoint`` sections of a DeepSpeed JSON config, validated like DeepSpeed's own.
 
-Owns: the pydantic models, loading the section from a dict or JSON file, and turning validation failures into
-one error that names the key, the value received and what is accepted. Must not build models or engines.
+Owns: their pydantic models and the base every section model has, reading the JSON from a path or a dict, refusing
+unknown top-level keys, and turning validation failures into one error that names the key, the value received and
+what is accepted. Must not build models or engines; ``run_config`` puts the sections together.
 """
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ class SectionModel(BaseModel):
     """Base of every plugin section: unknown keys are refused, values are checked on assignment too."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=True)
+
+    @classmethod
+    def unknown_key_message(cls) -> str:
+        """What an error calls a key this section does not have (a section whose keys depend on its type says so)."""
+        return "unknown key"
 
 
 class OptimizerStatePolicy(str, Enum):
@@ -211,14 +217,15 @@ def split_checkpoint_options(ds_config: Mapping[str, Any]) -> Tuple[Dict[str, An
     return rest, options
 
 
-def format_validation_error(section: str, error: ValidationError) -> str:
-    """One line per problem: ``section.key: message (got value)``."""
+def format_validation_error(section: str, error: ValidationError, unknown_key: str = "unknown key") -> str:
+    """One line per problem: ``section.key: message (got value)``; ``unknown_key`` names a key the section itself
+    does not have."""
     lines = []
     for item in error.errors():
         where = ".".join([section] + [str(p) for p in item["loc"]])
         message = item["msg"]
         if item["type"] == "extra_forbidden":
-            message = "unknown key"
+            message = unknown_key if len(item["loc"]) == 1 else "unknown key"
         value = item.get("input")
         lines.append(f"{where}: {message} (got {value!r})")
     return "invalid config:\n  " + "\n  ".join(lines)
@@ -233,7 +240,7 @@ def validate_section(model: type, section: str, raw: Any) -> Any:
     try:
         return model.model_validate(dict(raw))
     except ValidationError as error:
-        raise ConfigError(format_validation_error(section, error)) from None
+        raise ConfigError(format_validation_error(section, error, model.unknown_key_message())) from None
 
 
 def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> Dict[str, Any]:
@@ -270,10 +277,3 @@ def parse_pseudo_to_real(ds_config: Mapping[str, Any]) -> PseudoToRealConfig:
     if SECTION not in ds_config:
         return PseudoToRealConfig(enabled=False)
     return validate_section(PseudoToRealConfig, SECTION, ds_config[SECTION])
-
-
-def split_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> Tuple[Dict[str, Any], PseudoToRealConfig]:
-    """The DeepSpeed config as a dict (every top-level key known) and the validated ``pseudo_to_real`` section."""
-    ds_config = load_ds_config(config)
-    check_top_level_keys(ds_config)
-    return ds_config, parse_pseudo_to_real(ds_config)

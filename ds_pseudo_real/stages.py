@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import os
 import sys
 import time
 import zlib
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import deepspeed
 import torch
@@ -36,7 +35,11 @@ from .sharing import (
     source_parameter,
     truncate_layers,
 )
+from .training_facts import TrainingFacts
 from .transition import member_moments
+
+if TYPE_CHECKING:
+    from .offload.config import GranularOffloadConfig
 
 RETIRED_MODULE = ("this module was the pseudo model, which the delink replaced by the real one; train, evaluate and "
                   "save through the engine ds_pseudo_real.initialize returned, and read the model as engine.module")
@@ -47,13 +50,6 @@ RETIRED_MODULE = ("this module was the pseudo model, which the delink replaced b
 # enough ranks). The gather moves them off the device a parameter at a time, as DeepSpeed hands each over, and the
 # build reads them back a piece at a time (``fill_copies``); the host holds them, as it does when the job offloads.
 GATHERED_ON = torch.device("cpu")
-
-
-def working_dtype(ds_config: Dict[str, Any]) -> torch.dtype:
-    """The dtype DeepSpeed trains the model's parameters in: bf16 or fp16 when enabled, else fp32."""
-    if (ds_config.get("bf16") or {}).get("enabled"):
-        return torch.bfloat16
-    return torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32
 
 
 def parameter_numel(model: nn.Module) -> int:
@@ -184,7 +180,7 @@ def return_freed_host_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-def refuse_model_parallelism(mpu, ds_config: Mapping[str, Any]) -> None:
+def refuse_model_parallelism(mpu, training: TrainingFacts) -> None:
     """Granular offload is written for data (and expert) parallelism: its groups outside DeepSpeed's optimizer
     are reduced over DeepSpeed's data-parallel group, but tensor, pipeline or sequence parallel layers (split
     parameters, stages, sequence shards) are not handled, so they are refused until supported."""
@@ -194,8 +190,8 @@ def refuse_model_parallelism(mpu, ds_config: Mapping[str, Any]) -> None:
         # the mpu interface DeepSpeed documents (Megatron-DeepSpeed's) and its pipeline grid name them so
         "model parallel (mpu)": getattr(mpu, "get_model_parallel_world_size", lambda: 1)(),
         "pipeline parallel (mpu grid)": getattr(mpu, "get_pipe_parallel_world_size", lambda: 1)(),
-        "tensor_parallel.autotp_size": (ds_config.get("tensor_parallel") or {}).get("autotp_size", 1),
-        "sequence_parallel_size": ds_config.get("sequence_parallel_size", 1),
+        "tensor_parallel.autotp_size": training.tensor_parallel_size,
+        "sequence_parallel_size": training.sequence_parallel_size,
     }
     used = {name: size for name, size in sizes.items() if size and size > 1}
     if used:
@@ -225,12 +221,15 @@ class StageBuilder:
     ``groups`` parameter sets). What it builds it records in the ``TrainingState`` it is handed (stage, groups, and
     across a delink the transitions done and the switch step).
 
-    ``step_hooks``: the optimizer step's pre and post hooks, registered on every engine's optimizer (the
-    controller's stage LR factor).
+    The run's typed config parts: ``ptr_config`` (the stages), ``granular_offload`` (None without it),
+    ``training`` (DeepSpeed's dtype, ZeRO stage and data-parallel size) and ``ds_config``, what each
+    ``deepspeed.initialize`` gets. ``step_hooks``: the optimizer step's pre and post hooks, registered on every
+    engine's optimizer (the controller's stage LR factor).
     """
 
-    def __init__(self, model: nn.Module, ptr_config: PseudoToRealConfig, ds_config: Dict[str, Any],
-                 full_ds_config: Dict[str, Any], *, optimizer: Optional[Callable],
+    def __init__(self, model: nn.Module, ptr_config: PseudoToRealConfig,
+                 granular_offload: Optional[GranularOffloadConfig], training: TrainingFacts,
+                 ds_config: Dict[str, Any], *, optimizer: Optional[Callable],
                  model_parameters: Optional[Callable[[nn.Module], Any]], lr_scheduler: Optional[Callable], mpu,
                  step_hooks: Tuple[Callable, Callable]):
         self.layer_path = ptr_config.layers
@@ -243,11 +242,11 @@ class StageBuilder:
         self._rewarmup_steps = ptr_config.rewarmup_steps
         # the transition reads and writes each engine's optimizer state; save_checkpoint wraps its checkpoint engine
         self._internals = (*(["pseudo_to_real"] if ptr_config.enabled else []), "save_checkpoint", "monitors")
-        self._ds_config = ds_config  # DeepSpeed's own sections
-        self._full_config = full_ds_config  # with the plugin's, which granular offload reads
-        self._granular = "granular_offload" in full_ds_config
-        self._dtype = working_dtype(ds_config)
-        self._zero3 = (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3
+        self._ds_config = ds_config  # what deepspeed.initialize gets
+        self._granular = granular_offload
+        self._training = training
+        self._dtype = training.torch_dtype
+        self._zero3 = training.zero_stage == 3
         self._optimizer_factory = optimizer
         self._params_fn = model_parameters
         self._scheduler_factory = lr_scheduler
@@ -271,16 +270,14 @@ class StageBuilder:
         params = self._params_fn(model) if self._params_fn else [p for p in model.parameters() if p.requires_grad]
         optimizer = self._optimizer_factory
         ds_config = self._ds_config
-        if self._granular:
-            from .offload import build_offload_optimizer, describe_offload_plan
+        if self._granular is not None:
+            from .offload import describe_offload_plan, offload_optimizer
 
-            refuse_model_parallelism(self._mpu, self._full_config)
-            client, ds_config, plan = build_offload_optimizer(model, self._full_config, self.layer_path,
-                                                              self._data_parallel_size())
-            if client is not None:
-                optimizer, params = client, None
-                self.offload_plan = plan
-                log_rank0(f"granular offload plan for the {stage} model:\n{describe_offload_plan(plan)}")
+            refuse_model_parallelism(self._mpu, self._training)
+            optimizer, ds_config, self.offload_plan = offload_optimizer(model, self._granular, self._training,
+                                                                        ds_config, self.layer_path)
+            params = None
+            log_rank0(f"granular offload plan for the {stage} model:\n{describe_offload_plan(self.offload_plan)}")
         engine, engine_optimizer, loader, scheduler = deepspeed.initialize(
             model=model,
             model_parameters=params,
@@ -344,21 +341,16 @@ class StageBuilder:
         """Host storage for the layers granular offload will plan at ``host_params`` (pinned as it pins them), laid
         out as its ``HostParamStore`` keeps them, so that they are built in their final place; None without the
         section."""
-        if not self._granular:
+        if self._granular is None:
             return None
         from .offload import host_params_placement
         from .offload.params import host_param_views
 
-        ids, pin = host_params_placement(skeleton, self._full_config, self.layer_path, self._data_parallel_size())
+        ids, pin = host_params_placement(skeleton, self._granular, self._training, self.layer_path)
         if not ids:
             return None
         return host_param_views(get_layer_list(skeleton, self.layer_path), ids, lambda p: _cast(p, dtype),
                                 pin and device.type == "cuda")
-
-    def _data_parallel_size(self) -> int:
-        """The ranks ZeRO partitions over (the mpu's data-parallel group, else the world)."""
-        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        return getattr(self._mpu, "get_data_parallel_world_size", lambda: world)()
 
     def _materialize_partitioned(self, skeleton: nn.Module, weights: Optional[Mapping[str, torch.Tensor]],
                                  dtype: torch.dtype, device: Optional[torch.device] = None) -> nn.Module:
