@@ -51,6 +51,17 @@ def sharing_groups(num_layers: int, groups: int) -> List[range]:
     return [range(g * size, (g + 1) * size) for g in range(groups)]
 
 
+def groups_in_range(layers: range, num_layers: int, groups: int) -> List[Tuple[int, List[int]]]:
+    """The sharing groups with layers in ``layers`` (global indices: a pipeline stage's share of the model), each
+    with its layers' positions in ``layers``, in layer order: ``[(group, [position, ...]), ...]``."""
+    out = []
+    for g, run in enumerate(sharing_groups(num_layers, groups)):
+        positions = [i - layers.start for i in run if i in layers]
+        if positions:
+            out.append((g, positions))
+    return out
+
+
 def group_leader(layer_index: int, num_layers: int, groups: int) -> int:
     """Index of the layer whose parameters ``layer_index`` uses in the pseudo model."""
     size = num_layers // groups
@@ -265,6 +276,7 @@ def member_counts(model: nn.Module, path: str) -> Dict[str, int]:
 __all__: Sequence[str] = [
     "get_layer_list",
     "sharing_groups",
+    "groups_in_range",
     "group_leader",
     "tie_parameters",
     "apply_sharing",

@@ -201,9 +201,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("usage: python -m launch.dist_env -- COMMAND [ARGS ...]   (inside an srun task)", file=sys.stderr)
         return 2
     env = from_slurm(os.environ, first_host=first_host_from_scontrol)
+    # The host, so that a multi-node job's rank logs say where each rank ran.
     print(f"dist_env: rank {env.rank}/{env.world_size} local {env.local_rank}/{env.local_world_size} "
-          f"node {env.node_rank}/{env.num_nodes} master {env.master_addr}:{env.master_port}", file=sys.stderr,
-          flush=True)
+          f"node {env.node_rank}/{env.num_nodes} master {env.master_addr}:{env.master_port} on host "
+          f"{os.uname().nodename}", file=sys.stderr, flush=True)
     os.environ.update(env.as_environ())
     os.execvp(argv[0], argv)
 

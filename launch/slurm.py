@@ -82,6 +82,7 @@ class JobSpec:
     job_name: str = "ds_pseudo_real"
     requeue: bool = False
     signal_grace_s: int = 300
+    distributed_timeout_min: int = 10
     cpus_per_task: Optional[int] = None
     script: Path = DEFAULT_SCRIPT
     python: str = sys.executable
@@ -100,6 +101,8 @@ class JobSpec:
         if self.gpus_per_node and self.tasks_per_node != self.gpus_per_node:
             raise ValueError(f"--tasks-per-node {self.tasks_per_node} with --gpus-per-node {self.gpus_per_node}: "
                              "one task per GPU is the only layout this submitter writes; leave --tasks-per-node out")
+        if self.distributed_timeout_min < 1:
+            raise ValueError(f"--distributed-timeout-minutes {self.distributed_timeout_min}: expected at least 1")
         if self.cpus_per_task is not None and self.cpus_per_task < 1:
             raise ValueError(f"--cpus-per-task {self.cpus_per_task}: expected at least 1")
         if not re.fullmatch(r"[A-Za-z0-9_.,-]+", self.partition):
@@ -173,6 +176,9 @@ def sbatch_script(spec: JobSpec) -> str:
         f"RUN_DIR={q(str(spec.output_dir))}",
         f"REQUEUE={int(spec.requeue)}",
         f"export PYTHONPATH={q(str(REPO))}${{PYTHONPATH:+:$PYTHONPATH}}",
+        "# A collective (gloo, NCCL) that waits longer than this fails its rank, and srun then ends the step: read by",
+        "# DeepSpeed's init_distributed, in minutes.",
+        f"export DEEPSPEED_TIMEOUT={spec.distributed_timeout_min}",
         'mkdir -p "$RUN_DIR/logs"',
         'LATEST_BEFORE=$(cat "$RUN_DIR/checkpoints/latest" 2>/dev/null)',
         'echo "job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on $SLURM_JOB_NODELIST at $(date -Is)"',
@@ -262,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after the time-limit checkpoint, requeue the job; it resumes from the checkpoint")
     sub.add_argument("--signal-grace", type=int, default=300, dest="signal_grace_s",
                      help="seconds before the time limit at which the ranks are told to checkpoint (default 300)")
+    sub.add_argument("--distributed-timeout-minutes", type=int, default=10, dest="distributed_timeout_min",
+                     metavar="MINUTES", help="a collective that waits longer fails the rank and ends the step "
+                                             "(DEEPSPEED_TIMEOUT; default 10)")
     sub.add_argument("--script", type=Path, default=DEFAULT_SCRIPT,
                      help="training script (default launch/train.py); it gets --deepspeed_config and --output-dir")
     sub.add_argument("--python", default=sys.executable, help="python on the compute nodes (default: this one)")
@@ -289,6 +298,7 @@ def spec_from_args(args: argparse.Namespace) -> JobSpec:
         job_name=args.job_name,
         requeue=args.requeue,
         signal_grace_s=args.signal_grace_s,
+        distributed_timeout_min=args.distributed_timeout_min,
         cpus_per_task=args.cpus_per_task,
         script=args.script.resolve(),
         python=args.python,

@@ -30,7 +30,7 @@ import ds_pseudo_real
 from ds_pseudo_real.checkpoint import CheckpointError, claim
 from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.data import BYTE_VOCAB, build_corpus, indexed_vocabulary
-from ds_pseudo_real.device import use_rank_device
+from ds_pseudo_real.device import use_collective_timeout, use_rank_device
 from ds_pseudo_real.ds_state import MONITOR_SECTIONS, total_parameter_numel
 from ds_pseudo_real.models.build import ModelSpec, build_model, model_spec, parameter_groups
 from ds_pseudo_real.report import MetricsLog, plot_history, read_records
@@ -253,6 +253,7 @@ def train(args: argparse.Namespace) -> int:
     stopper = StopOnSignal()  # first: a preemption during start-up must not kill the rank without a checkpoint
     single_process_defaults()
     use_rank_device()  # NCCL's communicator and every object collective use the current device
+    use_collective_timeout()  # DEEPSPEED_TIMEOUT for DeepSpeed's own groups too, not only for the world group
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"rank {rank}/{world} started on {os.uname().nodename}", flush=True)

@@ -18,6 +18,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 WRITTEN_FOR_MEGATRON = "0.16."
+#: What Megatron-LM's validate_args is told the device's architecture is: Blackwell's (10), the first without the
+#: CUDA_DEVICE_MAX_CONNECTIONS=1 requirement for tensor/context parallelism.
+NO_CONNECTION_LIMIT_ARCH = 10
 _MISSING = object()
 
 
@@ -54,6 +57,11 @@ PATCHES: List[Patch] = [
           "without apex/TE it gives every parameter one shared step tensor (torch's Adam then increments it once per "
           "parameter), which the dp_reshardable loader then overwrites with the placeholder state's step: a resumed "
           "run's bias correction, and its losses, drift from the uninterrupted run's"),
+    Patch("optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states: a parameter's "
+          "Adam step kept when the tensors given have none",
+          "without apex/TE torch's Adam keeps 'step' per parameter; loading a fully_reshardable checkpoint (the "
+          "TP/PP-reshardable one, --dist-ckpt-optim-fully-reshardable) gives no step there and failed with "
+          "KeyError: 'step' (load_state_dict then sets it, see above)"),
 ]
 
 
@@ -66,6 +74,9 @@ TRAINING_PATCHES: List[Patch] = [
           "a device"),
     Patch("megatron.legacy.fused_kernels.load -> no-op",
           "builds CUDA kernels (fails without CUDA_HOME); the local spec does not use them"),
+    Patch("megatron.training.arguments.get_device_arch_version -> 10",
+          "validate_args asks the GPU's architecture when TP or CP > 1 (to demand CUDA_DEVICE_MAX_CONNECTIONS=1 "
+          "before Blackwell, 10): 'Torch not compiled with CUDA enabled'; a CPU has no CUDA queues to limit"),
 ]
 
 
@@ -208,6 +219,8 @@ def install() -> bool:
     state.set(WrappedTorchNorm, "__new__", staticmethod(_sequence_parallel_norm(WrappedTorchNorm.__new__)))
     state.set(DistributedOptimizer, "state_dict", _with_optimizer_states(DistributedOptimizer.state_dict))
     state.set(DistributedOptimizer, "load_state_dict", _own_step_tensors(DistributedOptimizer.load_state_dict))
+    state.set(DistributedOptimizer, "_set_main_param_and_optimizer_states",
+              _keep_missing_step(DistributedOptimizer._set_main_param_and_optimizer_states))
     state.mode = _CudaToCpuMode()
     state.mode.__enter__()
     _STATE = state
@@ -222,6 +235,7 @@ def install_training() -> bool:
     if _STATE.training:
         return True
     import megatron.legacy.fused_kernels as fused_kernels
+    import megatron.training.arguments as arguments
     import megatron.training.training as training_module
 
     initialize_megatron = training_module.initialize_megatron
@@ -233,6 +247,7 @@ def install_training() -> bool:
     _STATE.set(torch.cuda, "device_count", lambda: 1)
     _STATE.set(torch.cuda, "set_device", lambda device: None)
     _STATE.set(fused_kernels, "load", lambda args: None)
+    _STATE.set(arguments, "get_device_arch_version", lambda: NO_CONNECTION_LIMIT_ARCH)
     _STATE.training = True
     return True
 
@@ -300,6 +315,17 @@ def _own_step_tensors(original: Callable) -> Callable:
                 param_state["step"] = torch.tensor(step, dtype=param_state["step"].dtype)
 
     return load_state_dict
+
+
+def _keep_missing_step(original: Callable) -> Callable:
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors:
+            current = self._get_main_param_and_optimizer_states(model_param)
+            if "step" in current:
+                tensors = {**tensors, "step": current["step"]}
+        return original(self, model_param, tensors)
+
+    return _set_main_param_and_optimizer_states
 
 
 def _sequence_parallel_norm(original: Callable) -> Callable:

@@ -33,15 +33,16 @@ from ds_pseudo_real.config import OptimizerStatePolicy
 from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.sharing import expand_state_dict
 from ds_pseudo_real.transition import member_moments
-from megatron_patches.shared_block import LAYERS, grouped_sharded_state_dict
+from megatron_patches.shared_block import LAYERS, SharedParameterTransformerBlock, grouped_sharded_state_dict
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def load_pseudo_dist_checkpoint(real_module: torch.nn.Module, directory: str, groups: int = 1) -> torch.nn.Module:
     """Offline delink: load a pseudo model's dist checkpoint (``groups`` sharing groups) into the real model (same
-    config, no sharing; a GPTModel: its ``decoder`` is the block that was shared). Every layer gets its group's
-    weights. Optimizer state does not carry over this way: the real run starts it afresh.
+    config, no sharing, no pipeline parallelism; a GPTModel: its ``decoder`` is the block that was shared). Every
+    layer gets its group's weights. Optimizer state does not carry over this way: the real run starts it afresh.
+    (On any layout, the drop-in resumes a pseudo checkpoint and delinks in process.)
     """
     decoder = real_module.decoder
     # Ask for the layout the pseudo block saved (each group once), then give every layer its group's tensors.
@@ -207,14 +208,30 @@ def read_adam_states(module: torch.nn.Module, optimizer) -> Dict[int, Dict[str, 
     return out
 
 
-def _write_states(module: torch.nn.Module, optimizer, source: Callable[[str], tuple], moments: bool) -> None:
+def _write_states(sources: Sequence[Tuple[torch.nn.Module, Callable[[str], tuple]]], optimizer, moments: bool) -> None:
+    """Write every (chunk, its parameter name -> state) of ``sources`` into ``optimizer``."""
     for inner in _inner_optimizers(optimizer):
         access = _AdamState(inner)
         if moments:
-            access.prepare_write()
-        for name, param in module.named_parameters():
-            if access.holds(param):
-                access.write(param, *source(name))
+            access.prepare_write()  # once: it steps every chunk's parameters
+        for module, source in sources:
+            for name, param in module.named_parameters():
+                if access.holds(param):
+                    access.write(param, *source(name))
+
+
+def layers_sharing(pseudo: torch.nn.Module) -> Dict[int, int]:
+    """How many layers of the whole model use each parameter of a pseudo chunk, by ``id``: its group's size for a
+    shared block's parameters (a pipeline stage may hold only some of the group's layers), else how many times the
+    chunk uses it."""
+    uses: Dict[int, int] = {}
+    for _, param in pseudo.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    for block in pseudo.modules():
+        if isinstance(block, SharedParameterTransformerBlock):
+            for param in block.layers.parameters():
+                uses[id(param)] = block.config.num_layers // block.sharing_groups
+    return uses
 
 
 def delink_in_process(
@@ -239,14 +256,12 @@ def delink_in_process(
     pseudo_modules = [chunk.module for chunk in model_chunks]
     states = [read_adam_states(m, optimizer) for m in pseudo_modules]
     new_chunks, new_optimizer = build_wrapped()
+    sources = []
     for pseudo, chunk, chunk_states in zip(pseudo_modules, new_chunks, states):
         chunk.module.load_state_dict(pseudo.state_dict(), strict=True)
         named = dict(pseudo.named_parameters(remove_duplicate=False))
-        uses: Dict[int, int] = {}
-        for param in named.values():
-            uses[id(param)] = uses.get(id(param), 0) + 1
 
-        def source(name, named=named, uses=uses, chunk_states=chunk_states):
+        def source(name, named=named, uses=layers_sharing(pseudo), chunk_states=chunk_states):
             shared = named[name]
             state = chunk_states[id(shared)]
             if not carry or "exp_avg" not in state:  # reset, or a parameter Adam has not stepped yet
@@ -254,7 +269,8 @@ def delink_in_process(
             moments = member_moments(policy, {k: state[k] for k in MOMENTS}, uses[id(shared)])
             return state["main"], moments, state["step"], state.get("step_in_group", False)
 
-        _write_states(chunk.module, new_optimizer, source, moments=carry)
+        sources.append((chunk.module, source))
+    _write_states(sources, new_optimizer, moments=carry)
     for old, new in zip(_inner_optimizers(optimizer), _inner_optimizers(new_optimizer)):
         if getattr(old, "grad_scaler", None) is not None and getattr(new, "grad_scaler", None) is not None:
             # fp16's dynamic loss scale: a fresh one would skip steps on overflow until it found its level again.

@@ -7,6 +7,8 @@ before ``pretrain``, and argparse checks them); ``megatron.training.pretrain`` i
 ``model_provider`` builds the shared block while in the pseudo stage and uses expert-prototyping routers.
 ``megatron.training.training.train_step`` is wrapped to delink at iteration N, in process. A relaunched run
 (``--load``) builds the model its checkpoint holds: ``pseudo_stage_at_start`` decides from Megatron's tracker file.
+With a real layout other than the command's (``--pseudo-to-real-real-layout``), the run saves at N and runs the
+script again in process on that layout (``StageLayout``), after Megatron-LM's ``destroy_global_state``.
 Written against Megatron-LM's public training interface (tag core_v0.16.1):
 ``pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, ...)``,
 ``megatron.training.arguments.parse_args(extra_args_provider, ignore_unknown_args)`` (also imported by name into
@@ -20,18 +22,20 @@ the drop-in refuses (its flags, the checkpoint to load, a folder in use) is one 
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import inspect
 import os
 import runpy
 import sys
-from typing import Callable, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 
 from ds_pseudo_real.checkpoint import CheckpointError, claim
 from ds_pseudo_real.config import OptimizerStatePolicy
+from megatron_patches import stage_copies
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -51,11 +55,49 @@ def add_arguments(parser):
                        choices=[p.value for p in OptimizerStatePolicy],
                        help="Adam moments of each delinked layer: copy the shared ones, reset them, or scale them "
                             "by 1/layers-per-group (squared for the second moment). Default: %(default)s.")
+    group.add_argument("--pseudo-to-real-real-layout", type=parse_layout, default=None, metavar="KEY=N,...",
+                       help="Model parallelism of the real stage where it differs from this command's (the pseudo "
+                            "stage's): keys " + ", ".join(LAYOUT_KEYS) + ", e.g. tp=2,pp=2. At the switch the pseudo "
+                            "model is saved in --save and the run goes on in process on this layout; a relaunch "
+                            "from the switch on takes it too. Default: %(default)s (one layout).")
     group.add_argument("--m6-expert-prototypes", type=int, default=None,
                        help="M6 expert prototyping: split --num-experts into this many prototypes, top-1 routing "
                             "in each, outputs summed. Needs --moe-router-topk equal to it and "
                             "--moe-router-load-balancing-type none. Default: %(default)s (Megatron's router).")
     return parser
+
+
+#: The keys of --pseudo-to-real-real-layout and the Megatron-LM arguments they set (pp, tp, ... are layout sizes;
+#: vpp is --num-layers-per-virtual-pipeline-stage; sp is 0 or 1, --sequence-parallel).
+LAYOUT_KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+               "vpp": "num_layers_per_virtual_pipeline_stage", "ep": "expert_model_parallel_size",
+               "etp": "expert_tensor_parallel_size", "sp": "sequence_parallel"}
+
+
+def parse_layout(text: str) -> Dict[str, Union[int, bool]]:
+    """``tp=2,pp=2`` -> ``{"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}`` (an argparse type:
+    argparse reports the ValueError as an invalid --pseudo-to-real-real-layout value)."""
+    layout: Dict[str, Union[int, bool]] = {}
+    for item in text.split(","):
+        key, _, value = item.strip().partition("=")
+        if key not in LAYOUT_KEYS or not value.isdigit() or key in layout:
+            raise argparse.ArgumentTypeError(
+                f"{item.strip()!r} in {text!r}: expected KEY=N items separated by commas, each key once, keys "
+                f"{', '.join(LAYOUT_KEYS)} (sp=0 or sp=1), e.g. tp=2,pp=2")
+        if key == "sp":
+            if value not in ("0", "1"):
+                raise argparse.ArgumentTypeError(f"sp={value} in {text!r}: expected sp=0 or sp=1")
+            layout[key] = value == "1"
+        elif int(value) < 1:
+            raise argparse.ArgumentTypeError(f"{key}={value} in {text!r}: expected a size of at least 1")
+        else:
+            layout[key] = int(value)
+    return {LAYOUT_KEYS[key]: value for key, value in layout.items()}
+
+
+def format_layout(layout: Dict[str, Union[int, bool]]) -> str:
+    """``parse_layout``'s inverse: ``tp=2,pp=2``."""
+    return ",".join(f"{key}={int(layout[name])}" for key, name in LAYOUT_KEYS.items() if name in layout)
 
 
 class DropInError(AssertionError):
@@ -70,6 +112,10 @@ def check_arguments(args) -> None:
     groups = args.pseudo_to_real_groups
     _require(groups >= 1 and args.num_layers % groups == 0,
              f"--pseudo-to-real-groups ({groups}) must be >= 1 and divide --num-layers ({args.num_layers})")
+    if args.pseudo_to_real_real_layout is not None:
+        _require(switch is not None and args.save,
+                 f"--pseudo-to-real-real-layout needs --pseudo-to-real-switch-iter and --save (the pseudo model is "
+                 f"saved there at the switch); got --pseudo-to-real-switch-iter {switch}, --save {args.save}")
     prototypes = args.m6_expert_prototypes
     if prototypes is not None:
         experts = getattr(args, "num_experts", None)
@@ -174,15 +220,47 @@ def _move_train_hooks(config, model: List[torch.nn.Module], optimizer) -> None:
                 setattr(target, attr, bound if isinstance(current, list) else bound[0])
 
 
+class StageLayout:
+    """The layout this process trains with: the command's, or --pseudo-to-real-real-layout's from the switch on.
+
+    A run on the command's layout with a different real layout stops at the switch iteration once its checkpoint
+    is saved (``switched_at``); the next pass of the script in this process, and any relaunch whose checkpoint to
+    load is of the switch or later, get the real layout (``apply``, on the parsed arguments before Megatron
+    validates them and builds parallel state from them)."""
+
+    def __init__(self):
+        self.switched_at: Optional[int] = None  # the switch iteration, once this process saved its checkpoint
+        self.switch_due = False  # this pass trains the pseudo model on a layout other than the real one
+
+    def apply(self, args) -> None:
+        layout, switch = getattr(args, "pseudo_to_real_real_layout", None), getattr(args, "pseudo_to_real_switch_iter", None)
+        self.switch_due = False
+        if layout is None or switch is None:
+            return
+        if self.switched_at is not None:
+            args.load, args.ckpt_step = args.save, self.switched_at
+        checkpoint = checkpoint_to_load(args.load, getattr(args, "ckpt_step", None))
+        if isinstance(checkpoint, int) and checkpoint >= switch:
+            for name, value in layout.items():
+                setattr(args, name, value)
+        else:
+            self.switch_due = any(getattr(args, name, None) != value for name, value in layout.items())
+
+
 class PseudoToRealRun:
     """State of one drop-in run: which stage it is in, and the user's model provider."""
 
-    def __init__(self, training_module, get_args: Callable, model_provider: Callable, model_type):
+    def __init__(self, training_module, get_args: Callable, model_provider: Callable, model_type,
+                 layout: StageLayout):
         self.training = training_module
         self.get_args = get_args
+        self.layout = layout
         self.user_model_provider = model_provider
         self.model_type = model_type
         self.pseudo_stage: Optional[bool] = None  # decided on the first build, once the flags are parsed
+        self.stopped_for_switch = False  # saved at the switch to go on with the real layout
+        self.restore_at_delink: Dict[str, object] = {}  # Megatron-LM arguments the pseudo stage changed
+        self.pseudo_chunks: List[torch.nn.Module] = []  # this rank's pseudo chunks (virtual stages) built so far
 
     def model_provider(self, *args, **kwargs):
         from megatron_patches.moe import use_prototyping_routers
@@ -204,7 +282,25 @@ class PseudoToRealRun:
             model = self.user_model_provider(*args, **kwargs)
         if run_args.m6_expert_prototypes is not None:
             use_prototyping_routers(model, run_args.m6_expert_prototypes)
+        if self.pseudo_stage:
+            self.pseudo_chunks.append(model)
+            vp_stage, vp_size = kwargs.get("vp_stage"), run_args.virtual_pipeline_model_parallel_size
+            if vp_stage is None or vp_stage == vp_size - 1:  # get_model builds a rank's chunks in order
+                stage_copies.connect(self.pseudo_chunks)
+                self._save_copies_reshardable(run_args)
+                self.pseudo_chunks = []
         return model
+
+    def _save_copies_reshardable(self, run_args) -> None:
+        """A set's copies on several stages put each of their parameters in a gradient bucket of its own
+        (``stage_copies``); with the distributed optimizer over several data-parallel ranks, a rank's share of a
+        small one holds no parameter, which Megatron's default checkpoint format refuses ("empty bucket
+        encountered"). The pseudo stage then saves in the fully reshardable format (the pseudo model's state is
+        small); the real stage in the one the command asks for."""
+        if run_args.use_distributed_optimizer and stage_copies.holds_copies(self.pseudo_chunks) \
+                and not run_args.dist_ckpt_optim_fully_reshardable:
+            run_args.dist_ckpt_optim_fully_reshardable = True
+            self.restore_at_delink["dist_ckpt_optim_fully_reshardable"] = False
 
     def train_step(self, original: Callable) -> Callable:
         def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, *rest, **kw):
@@ -220,11 +316,35 @@ class PseudoToRealRun:
 
         return train_step
 
+    def checkpoint_and_decide_exit(self, original: Callable) -> Callable:
+        """At the switch, on a layout other than the real one: save (a format dist checkpointing reshards, also for
+        the distributed optimizer) and stop, through Megatron's own exit at an iteration."""
+
+        def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, *rest, **kw):
+            run_args = self.get_args()
+            if not (self.pseudo_stage and self.layout.switch_due and iteration == run_args.pseudo_to_real_switch_iter):
+                return original(model, optimizer, opt_param_scheduler, iteration, *rest, **kw)
+            saved = run_args.exit_interval, run_args.dist_ckpt_optim_fully_reshardable
+            run_args.exit_interval, run_args.dist_ckpt_optim_fully_reshardable = iteration, True
+            try:
+                should_exit = original(model, optimizer, opt_param_scheduler, iteration, *rest, **kw)
+            finally:
+                run_args.exit_interval, run_args.dist_ckpt_optim_fully_reshardable = saved
+            self.layout.switched_at, self.stopped_for_switch = iteration, True
+            if _rank() == 0:
+                print(f"[megatron_patches] iteration {iteration}: pseudo model saved in {run_args.save}; going on "
+                      f"with the real layout {format_layout(run_args.pseudo_to_real_real_layout)}", flush=True)
+            return should_exit
+
+        return checkpoint_and_decide_exit
+
     def delink(self, model: List[torch.nn.Module], optimizer, config) -> None:
         from megatron_patches.delink import delink_in_process
 
         run_args = self.get_args()
         self.pseudo_stage = False
+        for name, value in self.restore_at_delink.items():
+            setattr(run_args, name, value)
 
         def build_wrapped():
             # Build the real model and optimizer as the script's set-up does, without loading its checkpoint again.
@@ -254,35 +374,51 @@ def install() -> None:
 
     original_pretrain = training_module.pretrain
     signature = inspect.signature(original_pretrain)
+    layout = StageLayout()
+    scoped = ("train_step", "finalize_model_grads", "checkpoint_and_decide_exit")
 
     def pretrain(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         run = PseudoToRealRun(training_module, training_package.get_args, bound.arguments["model_provider"],
-                              bound.arguments["model_type"])
+                              bound.arguments["model_type"], layout)
         bound.arguments["model_provider"] = run.model_provider
-        original_train_step = training_module.train_step
-        training_module.train_step = run.train_step(original_train_step)
+        originals = [getattr(training_module, name) for name in scoped]
+        training_module.train_step = run.train_step(originals[0])
+        training_module.finalize_model_grads = stage_copies.with_copies_reduced(originals[1])
+        training_module.checkpoint_and_decide_exit = run.checkpoint_and_decide_exit(originals[2])
         try:
             return original_pretrain(*bound.args, **bound.kwargs)
+        except SystemExit as stop:
+            # Megatron's exit at an iteration ends train() with sys.exit; at the switch, the run goes on.
+            if not run.stopped_for_switch or stop.code not in (0, None):
+                raise
         finally:
-            training_module.train_step = original_train_step
+            for name, original in zip(scoped, originals):
+                setattr(training_module, name, original)
+        # Megatron-LM's own teardown before an in-process restart; the process group stays.
+        training_module.destroy_global_state()
+        return pretrain(*args, **kwargs)
 
     for owner in (training_package, training_module):
         _INSTALLED.append((owner, "pretrain", owner.pretrain))
         owner.pretrain = pretrain
-    _add_flags_to_every_parse()
+    _add_flags_to_every_parse(layout)
     _use_prebuilt_dataset_helpers()
     _load_fp32_distributed_optimizer_without_grad()
+    _save_fully_reshardable_optimizer_state_at_unpadded_offsets()
+    _load_each_shard_once()
 
 
-def _add_flags_to_every_parse() -> None:
+def _add_flags_to_every_parse(layout: StageLayout) -> None:
     import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
 
     original = arguments.parse_args
 
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-        return original(_chain(extra_args_provider, add_arguments), ignore_unknown_args)
+        args = original(_chain(extra_args_provider, add_arguments), ignore_unknown_args)
+        layout.apply(args)
+        return args
 
     for owner in (arguments, initialize):
         _INSTALLED.append((owner, "parse_args", owner.parse_args))
@@ -302,6 +438,54 @@ def _load_fp32_distributed_optimizer_without_grad() -> None:
     original = DistributedOptimizer.load_parameter_state_from_dp_reshardable
     _INSTALLED.append((DistributedOptimizer, "load_parameter_state_from_dp_reshardable", original))
     DistributedOptimizer.load_parameter_state_from_dp_reshardable = torch.no_grad()(original)
+
+
+def _save_fully_reshardable_optimizer_state_at_unpadded_offsets() -> None:
+    """megatron-core 0.16's DistributedOptimizer saves its fully reshardable format (the one dist checkpointing
+    reshards across tensor and pipeline parallelism) from each buffer's state gathered bucket by bucket with the
+    padding at the buckets' ends left out (``get_parameter_state_dp_zero``), but slices it at the parameters'
+    offsets in the padded buffer: with several buckets, every parameter after a padded bucket end is saved with
+    another's values ("param range exceeds unpadded buffer ... data corruption", its issue #504). A bucket of its
+    own for each parameter of a shared set's copies (``stage_copies``), as for the word embeddings tied across
+    pipeline stages, pads bucket ends. Here it slices at the offsets of what was gathered."""
+    import megatron.core
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not megatron.core.__version__.startswith("0.16."):
+        return
+    original = DistributedOptimizer.sharded_param_state_fully_reshardable
+
+    def sharded_param_state_fully_reshardable(self, *args, **kwargs):
+        padded = [buffer.param_index_map for buffer in self.buffers]
+        for buffer in self.buffers:
+            buffer.param_index_map = _unpadded_param_index_map(buffer)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for buffer, index_map in zip(self.buffers, padded):
+                buffer.param_index_map = index_map
+
+    _INSTALLED.append((DistributedOptimizer, "sharded_param_state_fully_reshardable", original))
+    DistributedOptimizer.sharded_param_state_fully_reshardable = sharded_param_state_fully_reshardable
+
+
+def _load_each_shard_once() -> None:
+    """torch_dist loading, as written against megatron-core 0.16: see ``stage_copies.load_each_shard_once``."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    _INSTALLED.append((TorchDistLoadShardedStrategy, "load", TorchDistLoadShardedStrategy.load))
+    TorchDistLoadShardedStrategy.load = stage_copies.load_each_shard_once(TorchDistLoadShardedStrategy.load)
+
+
+def _unpadded_param_index_map(buffer) -> dict:
+    """A buffer's ``param_index_map`` (parameter -> (start, end, bucket)) at offsets in its buckets' unpadded parts
+    laid end to end."""
+    shift, unpadded = {}, 0
+    for bucket in buffer.buckets:
+        shift[bucket.bucket_id] = unpadded - bucket.offset
+        unpadded += bucket.numel_unpadded
+    return {param: (start + shift[bucket], end + shift[bucket], bucket)
+            for param, (start, end, bucket) in buffer.param_index_map.items()}
 
 
 def _use_prebuilt_dataset_helpers() -> None:
@@ -330,7 +514,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(USAGE + "\n\nRuns SCRIPT (a Megatron-LM pretraining script such as pretrain_gpt.py) unchanged, with "
               "these flags added to Megatron's parser (SCRIPT --help lists them with Megatron's):\n"
               "  --pseudo-to-real-switch-iter N, --pseudo-to-real-groups G,\n"
-              "  --pseudo-to-real-optimizer-state {copy,reset,scale}, --m6-expert-prototypes K")
+              "  --pseudo-to-real-optimizer-state {copy,reset,scale}, --pseudo-to-real-real-layout KEY=N,...,\n"
+              "  --m6-expert-prototypes K")
         return 0 if argv else 2
     script = argv[0]
     if not os.path.isfile(script):

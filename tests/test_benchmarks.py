@@ -467,3 +467,22 @@ def test_the_delink_timing_reports_each_delink_against_one_and_three_copies(tmp_
                for phases in result["delinks_phases"])
     assert result["last_delink_over_three_copies"] == pytest.approx(
         result["delinks_s"][1] / result["three_copies_s_median"])
+
+
+def test_the_layouts_benchmark_reads_each_pass_of_its_run():
+    """benchmarks/layouts.py: a real layout as Megatron-LM's flags, and tokens/s per pass from Megatron's own time
+    per iteration, past the warm-up (the run itself is measured, not timed here)."""
+    from benchmarks import layouts
+    from megatron_patches.run import parse_layout
+
+    assert layouts.layout_flags(parse_layout("tp=2,sp=1")) == ["--tensor-model-parallel-size", "2",
+                                                               "--sequence-parallel"]
+    assert layouts.layout_flags(parse_layout("pp=2,sp=0")) == ["--pipeline-model-parallel-size", "2"]
+    line = " iteration {i}/ 4 | consumed samples: 8 | elapsed time per iteration (ms): {ms} | lm loss: 5.1E+00 |\n"
+    log = "".join(f"{layouts.PASS_MARK}{n}\n" + "".join(line.format(i=i, ms=ms) for i, ms in enumerate(times, 1))
+                  for n, times in enumerate([[900.0, 100.0, 120.0, 110.0], [950.0, 200.0, 260.0, 240.0]]))
+    measured = layouts.tokens_per_second(log, passes=2, warmup=1, tokens_per_iteration=1000)
+    assert [m["iteration_ms"] for m in measured] == [110.0, 240.0]
+    assert [m["tokens_per_s"] for m in measured] == pytest.approx([1000 / 0.110, 1000 / 0.240])
+    with pytest.raises(RuntimeError, match="pass 0: no iteration after the 4 warm-up ones"):
+        layouts.tokens_per_second(log, passes=2, warmup=4, tokens_per_iteration=1000)

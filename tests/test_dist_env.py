@@ -1,11 +1,13 @@
 """Multi-node environment derivation (launch.dist_env) and the DeepSpeed hostfile (launch.hostfile), without a
-cluster: SLURM's variables are given as plain dicts."""
+cluster: SLURM's variables are given as plain dicts; the collective timeout every process group of a rank gets."""
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
+from conftest import run_two_ranks
 
 from launch.dist_env import (DistEnv, expand_nodelist, from_slurm, master_port_for_job, parse_tasks_per_node,
                              split_top_level)
@@ -134,7 +136,7 @@ def test_wrapper_exports_the_variables_and_execs_the_command():
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["13", "5", "40", "gpu001", "27654"]
-    assert "rank 13/40 local 5/8 node 1/5 master gpu001:27654" in out.stderr
+    assert f"rank 13/40 local 5/8 node 1/5 master gpu001:27654 on host {os.uname().nodename}\n" in out.stderr
 
 
 def test_hostfile_text_is_what_deepspeed_parses():
@@ -157,3 +159,12 @@ def test_hostfile_from_slurm_allocation():
 def test_hostfile_errors(hosts, slots, fragment):
     with pytest.raises(ValueError, match=fragment):
         hostfile_text(hosts, slots)
+
+
+def test_every_group_of_the_job_times_out_as_set():
+    """A group DeepSpeed makes without a timeout (new_group, as its ZeRO data-parallel group) gives up on a rank that
+    never joins after the job's collective timeout (here 2 s), not after torch's default (30 minutes on gloo): rank 0
+    fails with gloo's timeout while its peer, alive 8 s, still holds the connection open (without the job's timeout it
+waits for the peer to exit: "Connection closed by peer")."""
+    proc = run_two_ranks(os.path.join(REPO, "tests", "scripts", "group_timeout.py"), "8", "2", timeout=120)
+    assert re.search(r"rank 0: the all-reduce failed: .*Timed out waiting 2000ms", proc.stdout), proc.stdout[-3000:]

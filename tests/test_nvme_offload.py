@@ -101,7 +101,10 @@ def test_a_resume_under_offload_reproduces_the_run(async_io, tmp_path, saved_aft
     the parameters on NVMe too (``offload_param: nvme``), where the load's check has no weights in memory to compare."""
     cfg = offload_config("nvme" if device == "infinity" else device, str(tmp_path / "swap"))
     if device == "infinity":
-        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path / "params")}
+        # buffers of 2**20 elements, not DeepSpeed's 5 x 1e8 (pinned, per engine, 2 GB in fp32): the test's engines
+        # would otherwise hold some 18 GB of host memory
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path / "params"),
+                                                     "buffer_size": 2**20}
     uninterrupted, engine, *_ = train(cfg, D_MODEL, steps=saved_after + 2)
     expected = _masters(engine)
     engine.engine.destroy()

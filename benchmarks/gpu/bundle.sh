@@ -13,4 +13,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTH
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$DIR" "${packages[@]}"
 python3 -m pip download -q --no-deps --no-binary=:all: -d "$DIR" deepspeed==0.19.8
+# check.sh's optional layouts part: megatron-core and what Megatron-LM's training code imports besides it.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DIR" \
+  megatron-core==0.16.1 six==1.17.0 regex==2026.12.2 pyyaml==6.0.4
 ls -l "$DIR"

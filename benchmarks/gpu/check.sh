@@ -20,6 +20,11 @@
 #   convergence (part 4, only when named): the memory-bound regime of benchmarks/convergence.py trained on the device
 #     with real offload, SEEDS seeds (default 8): scratch, a pseudo phase as long as scratch's run and a 2-layer model
 #     grown to 8, with scratch on those schedules; the GPU wall clock to scratch's final loss per seed.
+#   layouts (part 5, only when named): the pseudo model's tokens/s on its own layout (data parallel over every GPU)
+#     against it on the real layouts (TP = PP = the GPU count), side by side in one run on the same GPUs
+#     (benchmarks/layouts.py: Megatron-LM's pretrain_gpt.py through the drop-in, NCCL, bf16); needs 2 or more GPUs,
+#     megatron-core 0.16.1 (the bundle's wheel when missing) and a Megatron-LM checkout of tag core_v0.16.1 in
+#     MEGATRON_LM_PATH (default ../shared/third_party/megatron-lm).
 #
 # The budget. Every step runs under `timeout` with a cap (seconds, below; estimates for a 16-core H100 machine, not
 # measured there yet: the log gives each step's seconds), clipped to what is left of CHECK_SECONDS (default 540: a
@@ -28,9 +33,10 @@
 #   install 60 + build_cpu_adam 75 + exactness 30 + host_params 30 + host_params_ckpt_ga2_skip 30
 #   + host_params_ckpt_ga2_skip_bf16 30 + byte_model 15 + delink_on_device 75 + timing 105 + delink_time 60
 #   + nvme_offload 30 = 540
-# and with CHECK_PARTS=convergence: install 60 + build_cpu_adam 75 + convergence 405 = 540. The correctness steps run
-# first, the timings last: a step over its cap is killed and reported, and the steps after it keep their time. The
-# script prints the sum for the parts asked before it starts. Without CUDA only the offload exactness steps and the
+# with CHECK_PARTS=convergence: install 60 + build_cpu_adam 75 + convergence 405 = 540; with CHECK_PARTS=layouts:
+# install 60 + build_cpu_adam 75 + layouts 300 = 435. The correctness steps run first, the timings last: a step over
+# its cap is killed and reported, and the steps after it keep their time. The script prints the sum for the parts
+# asked before it starts. Without CUDA only the offload exactness steps and the
 # delink matrix run.
 # CHECK_SIZE=dry (benchmarks/gpu/dry_run.sh, CI): the same steps on smaller models, on the CPU; CHECK_CAP_FACTOR
 # multiplies every cap and the default budget (the dry run on 2 CPU cores, where CPU Adam alone builds in minutes).
@@ -56,7 +62,7 @@ dry=0
 
 declare -A CAP=([install]=60 [build_cpu_adam]=75 [exactness]=30 [host_params]=30 [host_params_ckpt_ga2_skip]=30
                 [host_params_ckpt_ga2_skip_bf16]=30 [byte_model]=15 [delink_on_device]=75 [timing]=105
-                [delink_time]=60 [nvme_offload]=30 [convergence]=405)
+                [delink_time]=60 [nvme_offload]=30 [convergence]=405 [layouts]=300)
 FACTOR=${CHECK_CAP_FACTOR:-1}  # a slower machine: every cap and the default budget times this
 for name in "${!CAP[@]}"; do CAP[$name]=$((CAP[$name] * FACTOR)); done
 PARTS=",${CHECK_PARTS:-offload,delink},"
@@ -70,6 +76,7 @@ want delink && steps+=(delink_on_device)
 [ "$cuda" = 1 ] && want offload && steps+=(timing)
 [ "$cuda" = 1 ] && want delink && steps+=(delink_time nvme_offload)  # nvme_offload counted even where it skips
 want convergence && steps+=(convergence)
+want layouts && steps+=(layouts)  # counted even where it skips (fewer than 2 GPUs)
 total=0 sum=""
 for name in "${steps[@]}"; do total=$((total + CAP[$name])); sum+="${sum:+ + }$name ${CAP[$name]}"; done
 BUDGET=${CHECK_SECONDS:-$((540 * FACTOR))}
@@ -168,6 +175,27 @@ if want convergence; then
   step convergence "$PY" benchmarks/convergence.py --regime memory_bound --seeds "${SEEDS:-8}" --threads 8 \
     --arms "scratch,scratch budget 200% lr x2,scratch budget 300%,p2r@50% scale budget 200% lr x2 pseudo x0.25 rewarmup 10,stack 2->8 @67% budget 300%" \
     --tag _gpu --out "$OUT"
+fi
+if want layouts; then
+  export MEGATRON_LM_PATH="${MEGATRON_LM_PATH:-$PWD/../shared/third_party/megatron-lm}"
+  gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+  if ! "$PY" -c "import megatron.core, six, regex, einops, yaml" 2>/dev/null; then
+    wheels=$(ls "$BUNDLE"/megatron_core-0.16.1-*.whl "$BUNDLE"/six-*.whl "$BUNDLE"/regex-*.whl "$BUNDLE"/einops-*.whl \
+      "$BUNDLE"/pyyaml-*.whl 2>/dev/null)
+    [ -n "$wheels" ] && "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
+      --target /tmp/ds_pseudo_real_megatron $wheels && export PYTHONPATH="$PYTHONPATH:/tmp/ds_pseudo_real_megatron"
+  fi
+  if [ "$cuda" != 1 ] || [ "$gpus" -lt 2 ]; then
+    echo "== layouts: skipped, it needs 2 or more GPUs (found $gpus, CUDA $cuda)"
+  elif ! "$PY" -c "import megatron.core, six, regex, einops, yaml" 2>/dev/null \
+      || [ ! -f "$MEGATRON_LM_PATH/pretrain_gpt.py" ]; then
+    echo "== layouts: skipped, it needs megatron-core 0.16.1 and pretrain_gpt.py in MEGATRON_LM_PATH=$MEGATRON_LM_PATH"
+  else
+    # a 16-layer, hidden-2048 pseudo model (one shared set), sequence 2048, 8 micro-batches of 1 per data-parallel rank
+    step layouts "$PY" benchmarks/layouts.py --nproc "$gpus" --layers 16 --hidden 2048 --heads 16 --seq-len 2048 \
+      --vocab 32768 --micro-batch 1 --global-batch $((gpus * 8)) --iters 20 --warmup 5 --bf16 \
+      --real-layout "tp=$gpus" --real-layout "pp=$gpus" --out "$OUT"
+  fi
 fi
 echo "gpu check finished with status $status"
 exit $status

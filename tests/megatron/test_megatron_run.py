@@ -1,15 +1,8 @@
-"""The drop-in on Megatron-LM's own ``pretrain_gpt.py``: ``torchrun -m megatron_patches.run pretrain_gpt.py ...``.
-
-Runs the unmodified script of a Megatron-LM checkout (tag core_v0.16.1, matching the megatron-core wheel) named by
-``MEGATRON_LM_PATH``; CI points it at ../shared/third_party/megatron-lm. Tiny GPT (4 layers, hidden 64), mock data
-and Megatron's NullTokenizer, CPU, gloo, fp32, 1 and 2 ranks; losses are read from Megatron's own log lines.
-
-Megatron prints a run's first iteration without resetting its loss accumulator, so the second iteration a process
-logs is the mean of its first two: that one line of each (resumed) run is left out of the comparisons.
+"""The drop-in on Megatron-LM's own ``pretrain_gpt.py``: ``torchrun -m megatron_patches.run pretrain_gpt.py ...``,
+fp32 and bf16, 1 and 2 ranks (data and expert parallel); how a run is launched and read: ``megatron_lm``.
 """
 import os
 import re
-import shutil
 import subprocess
 import sys
 from argparse import Namespace
@@ -17,78 +10,14 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, free_port
+from megatron_lm import M6, MEGATRON_LM, TINY, check_resumed_run, needs_megatron_lm, pretrain, resume_from, train
 
 from megatron_patches.run import (RELEASE, TRACKER_FILE, check_arguments, checkpoint_to_load,
                                   pseudo_stage_at_start)
 
-MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
-SCRIPT = Path(MEGATRON_LM or ".") / "pretrain_gpt.py"
-needs_megatron_lm = pytest.mark.skipif(
-    not SCRIPT.is_file(),
-    reason=("MEGATRON_LM_PATH is not set" if MEGATRON_LM is None else f"MEGATRON_LM_PATH={MEGATRON_LM} holds no "
-            "pretrain_gpt.py") + ": these tests run Megatron-LM's own training script (a checkout of tag "
-           "core_v0.16.1; CI sets ../shared/third_party/megatron-lm)")
-
-# What a CPU smoke run of Megatron-LM needs besides the model: gloo, and no fused kernels it cannot build.
-CPU = ["--distributed-backend", "gloo", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
-TINY = [*CPU, "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--transformer-impl", "local",
-        "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0", "--eval-interval", "1000",
-        "--log-interval", "1"]
 SWITCH = 3
 # 4 layers, hidden 64, ffn 256: 49,984 parameters per layer; the delink adds 3 layers' worth.
 PSEUDO_PARAMS, REAL_PARAMS = 68_544, 68_544 + 3 * 49_984
-M6 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "none",
-      "--m6-expert-prototypes", "2", "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "2"]
-
-LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|")
-PARAMS = re.compile(r"number of parameters on \(tensor, pipeline\) model parallel rank \(0, 0\): (\d+)")
-
-
-class Log:
-    """What one run printed: its losses by iteration (the second one logged left out, see the module docstring),
-    the parameter count of each model it built, in order, and the drop-in's warnings."""
-
-    def __init__(self, stdout: str, stderr: str = ""):
-        logged = [(int(i), float(loss)) for i, loss in LOSS.findall(stdout)]
-        self.iterations = [i for i, _ in logged]
-        self.losses = {i: loss for n, (i, loss) in enumerate(logged) if n != 1}
-        self.params = [int(n) for n in PARAMS.findall(stdout)]
-        self.warnings = [line for line in stderr.splitlines() if line.startswith("[megatron_patches] WARNING")]
-
-
-def pretrain(nproc: int, *flags: str, cwd: Path, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), MEGATRON_LM or ""])})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), "-m", "megatron_patches.run", str(SCRIPT), *flags]
-    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
-    if expect_ok and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                    f"--- stderr\n{proc.stderr[-8000:]}")
-    return proc
-
-
-def train(nproc: int, *flags: str, cwd: Path) -> Log:
-    proc = pretrain(nproc, *TINY, *flags, cwd=cwd)
-    return Log(proc.stdout, proc.stderr)
-
-
-def resume_from(saved: Path, iteration: int, nproc: int, *flags: str, cwd: Path) -> tuple:
-    """Relaunch the run's command on a copy of its checkpoint of ``iteration`` (as after a crash right after
-    it): returns (the resumed run's log, its own checkpoint directory)."""
-    directory = cwd / f"resumed_from_{iteration}"
-    name = f"iter_{iteration:07d}"
-    shutil.copytree(saved / name, directory / name)
-    (directory / TRACKER_FILE).write_text(str(iteration))
-    return train(nproc, *flags, "--save", str(directory), "--load", str(directory), cwd=cwd), directory
-
-
-def check_resumed_run(full: Log, resumed: Log, first: int, last: int) -> None:
-    assert resumed.iterations == list(range(first, last + 1))
-    assert resumed.losses == {i: full.losses[i] for i in resumed.losses}
-    assert len(resumed.losses) == last - first  # every iteration but the second logged one compared
 
 
 def checkpoint_and_resume_across_the_switch(nproc: int, extra: list, tmp: Path, resume_twice: bool) -> dict:
@@ -200,6 +129,7 @@ def test_help_lists_the_flags_with_defaults(tmp_path):
     group = help_text.split("pseudo-to-real and M6 (megatron_patches):", 1)[1]
     for flag, default in [("--pseudo-to-real-switch-iter", "Default: None"), ("--pseudo-to-real-groups", "Default: 1"),
                           ("--pseudo-to-real-optimizer-state {copy,reset,scale}", "Default: copy"),
+                          ("--pseudo-to-real-real-layout KEY=N,...", "Default: None (one layout)"),
                           ("--m6-expert-prototypes", "Default: None")]:
         assert default in group.split(flag, 1)[1][:400], flag
 

@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -20,8 +21,10 @@ args = parser.parse_args()
 
 dist.init_process_group("gloo")  # env:// from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 rank, world = dist.get_rank(), dist.get_world_size()
-print(f"rank {rank}/{world} started local_rank {os.environ['LOCAL_RANK']} "
-      f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+# Host names with the addresses they resolve to where the rank runs: on a multi-node cluster, each node's own.
+host, master = socket.gethostname(), os.environ["MASTER_ADDR"]
+print(f"rank {rank}/{world} started on {host} ({socket.gethostbyname(host)}) local_rank {os.environ['LOCAL_RANK']} "
+      f"master {master}:{os.environ['MASTER_PORT']} ({socket.gethostbyname(master)})", flush=True)
 
 received = []
 for sig in (signal.SIGUSR1, signal.SIGTERM):

@@ -25,7 +25,8 @@ def directives(script):
 
 
 def test_multi_node_script_one_task_per_gpu(tmp_path):
-    script = sbatch_script(spec(tmp_path, requeue=True, cpus_per_task=10, sbatch_options=["--account=m6"]))
+    script = sbatch_script(spec(tmp_path, requeue=True, cpus_per_task=10, sbatch_options=["--account=m6"],
+                                distributed_timeout_min=7))
     run = tmp_path / "run"
     assert directives(script) == [
         "--job-name=ds_pseudo_real", "--partition=gpu", "--nodes=64", "--ntasks-per-node=8", "--gpus-per-node=8",
@@ -37,6 +38,8 @@ def test_multi_node_script_one_task_per_gpu(tmp_path):
     assert srun[6:] == ["-m", "launch.dist_env", "--", "/opt/venv/bin/python", str(REPO / "launch" / "train.py"),
                         "--deepspeed_config", str(tmp_path / "ds.json"), "--output-dir", str(run), "--steps", "100"]
     assert "REQUEUE=1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    # the collective timeout every rank's DeepSpeed reads, exported before srun starts them
+    assert "\nexport DEEPSPEED_TIMEOUT=7\n" in script and script.index("DEEPSPEED_TIMEOUT") < script.index("\nsrun ")
     # the configuration is checked for the job's 512 ranks before srun starts any
     check = (f"/opt/venv/bin/python -m launch.train --check {tmp_path / 'ds.json'} --world-size 512 --steps 100 "
              '|| exit "$?"\n')
@@ -49,6 +52,7 @@ def test_cpu_job_has_no_gpu_directive_and_no_requeue(tmp_path):
     assert "--ntasks-per-node=2" in directives(script)
     assert not any(d.startswith(("--gpus", "--gres")) for d in directives(script))
     assert "--no-requeue" in directives(script) and "REQUEUE=0" in script
+    assert "\nexport DEEPSPEED_TIMEOUT=10\n" in script  # DeepSpeed 0.19.8's own default, pinned
 
 
 def test_script_is_valid_bash_and_quotes_odd_paths(tmp_path):
@@ -73,6 +77,7 @@ def test_time_limit_seconds(value, seconds):
     (dict(time="5", signal_grace_s=300), "--signal-grace 300: expected 0 <= seconds < the time limit"),
     (dict(time="2", signal_grace_s=60), "--signal-grace 60: .* the checkpoint signal comes 60-120 s before the end"),
     (dict(train_args=["--output-dir", "x"]), "train argument --output-dir after '--'"),
+    (dict(distributed_timeout_min=0), "--distributed-timeout-minutes 0: expected at least 1"),
     (dict(partition="gpu partition"), "--partition 'gpu partition'"),
     (dict(deepspeed_config=Path("/nonexistent.json")), "--deepspeed-config /nonexistent.json: no such file"),
 ])

@@ -1,0 +1,125 @@
+"""Running Megatron-LM's own ``pretrain_gpt.py`` through the drop-in, for the tests: the launch, the tiny CPU model's
+flags, and what a run's log says (losses, gradient norms, parameter counts, the drop-in's warnings).
+
+Runs the unmodified script of a Megatron-LM checkout (tag core_v0.16.1, matching the megatron-core wheel) named by
+``MEGATRON_LM_PATH``; CI points it at ../shared/third_party/megatron-lm. Tiny GPT (4 layers, hidden 64), mock data
+and Megatron's NullTokenizer, CPU, gloo; losses are read from Megatron's own log lines.
+
+Megatron prints a run's first iteration without resetting its loss accumulator, so the second iteration a process
+logs is the mean of its first two: that one line of each (resumed) run is left out of the comparisons.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Iterable, Optional
+
+import pytest
+from conftest import REPO, free_port
+
+from megatron_patches.run import TRACKER_FILE
+
+MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
+SCRIPT = Path(MEGATRON_LM or ".") / "pretrain_gpt.py"
+needs_megatron_lm = pytest.mark.skipif(
+    not SCRIPT.is_file(),
+    reason=("MEGATRON_LM_PATH is not set" if MEGATRON_LM is None else f"MEGATRON_LM_PATH={MEGATRON_LM} holds no "
+            "pretrain_gpt.py") + ": these tests run Megatron-LM's own training script (a checkout of tag "
+           "core_v0.16.1; CI sets ../shared/third_party/megatron-lm)")
+
+# What a CPU smoke run of Megatron-LM needs besides the model: gloo, and no fused kernels it cannot build.
+CPU = ["--distributed-backend", "gloo", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
+TINY = [*CPU, "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--transformer-impl", "local",
+        "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0", "--eval-interval", "1000",
+        "--log-interval", "1"]
+# M6 expert prototyping: 4 experts in 2 prototypes, split over 2 expert-parallel ranks.
+M6 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "none",
+      "--m6-expert-prototypes", "2", "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "2"]
+
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?"
+                  r"lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")
+# Printed by Megatron-LM each time it initialises (once per pass of the script).
+LAYOUT = re.compile(r"using world size: \d+, data-parallel size: (\d+),.*?tensor-model-parallel size: (\d+), "
+                    r"pipeline-model-parallel size: (\d+)")
+PARAMS = re.compile(r"number of parameters on \(tensor, pipeline\) model parallel rank \((\d+), (\d+)\): (\d+)")
+
+
+class Log:
+    """What one run printed: its losses, gradient norms and times (ms) by iteration (the second loss each pass of
+    the script logged left out, see the module docstring), the (data, tensor, pipeline) parallel sizes of each pass,
+    the parameter count of each model it built on tensor and pipeline rank 0, in order (and on every (tensor,
+    pipeline) rank: ``stage_params``), and the drop-in's warnings (stderr) and notes (stdout)."""
+
+    def __init__(self, stdout: str, stderr: str = ""):
+        passes = [LOSS.findall(text) for text in LAYOUT.split(stdout)[::LAYOUT.groups + 1]]
+        self.layouts = [tuple(map(int, sizes)) for sizes in LAYOUT.findall(stdout)]
+        self.iterations, self.losses, self.grad_norms, self.times_ms = [], {}, {}, {}
+        for logged in passes:
+            for n, (i, ms, loss, norm) in enumerate(logged):
+                self.iterations.append(int(i))
+                if n != 1:
+                    self.losses[int(i)] = float(loss)
+                self.grad_norms[int(i)], self.times_ms[int(i)] = float(norm), float(ms)
+        counts = [((int(tp), int(pp)), int(n)) for tp, pp, n in PARAMS.findall(stdout)]
+        self.params = [n for rank, n in counts if rank == (0, 0)]
+        self.stage_params: Dict[tuple, list] = {}
+        for rank, n in counts:
+            self.stage_params.setdefault(rank, []).append(n)
+        self.warnings = [line for line in stderr.splitlines() if line.startswith("[megatron_patches] WARNING")]
+        self.notes = [line for line in stdout.splitlines() if line.startswith("[megatron_patches] ")]
+
+
+def pretrain(nproc: int, *flags: str, cwd: Path, expect_ok: bool = True, env_extra: Optional[dict] = None
+             ) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), MEGATRON_LM or ""])})
+    env.update(env_extra or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), "-m", "megatron_patches.run", str(SCRIPT), *flags]
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
+    if expect_ok and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+                    f"--- stderr\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def train(nproc: int, *flags: str, cwd: Path) -> Log:
+    proc = pretrain(nproc, *TINY, *flags, cwd=cwd)
+    return Log(proc.stdout, proc.stderr)
+
+
+def copy_checkpoint(saved: Path, iteration: int, directory: Path) -> Path:
+    """A new checkpoint folder holding only ``saved``'s checkpoint of ``iteration`` (as after a crash right after
+    it was written)."""
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(saved / name, directory / name)
+    (directory / TRACKER_FILE).write_text(str(iteration))
+    return directory
+
+
+def resume_from(saved: Path, iteration: int, nproc: int, *flags: str, cwd: Path, name: Optional[str] = None
+                ) -> tuple:
+    """Relaunch the run's command on a copy of its checkpoint of ``iteration``: returns (the resumed run's log, its
+    own checkpoint directory)."""
+    directory = copy_checkpoint(saved, iteration, cwd / (name or f"resumed_from_{iteration}"))
+    return train(nproc, *flags, "--save", str(directory), "--load", str(directory), cwd=cwd), directory
+
+
+def check_resumed_run(full: Log, resumed: Log, first: int, last: int) -> None:
+    assert resumed.iterations == list(range(first, last + 1))
+    assert resumed.losses == {i: full.losses[i] for i in resumed.losses}
+    assert len(resumed.losses) == last - first  # every iteration but the second logged one compared
+
+
+def same_losses(reference: Log, run: Log, iterations: Iterable[int], tolerance: float) -> None:
+    """``run``'s losses and gradient norms at ``iterations`` are ``reference``'s, to ``tolerance`` (absolute, on the
+    printed values)."""
+    iterations = list(iterations)
+    assert [run.losses[i] for i in iterations] == pytest.approx([reference.losses[i] for i in iterations],
+                                                                abs=tolerance, rel=0)
+    assert [run.grad_norms[i] for i in iterations] == pytest.approx(
+        [reference.grad_norms[i] for i in iterations], abs=1e-3, rel=0)  # printed to 3 decimals
