@@ -48,9 +48,10 @@ def initialize(
         config = getattr(args, "deepspeed_config", None)
         if config is None:
             raise ConfigError("no DeepSpeed config: pass config=... or args with --deepspeed_config")
+    config = RunConfig.load(config, mpu=mpu)
     engine = PseudoToRealController(
         model,
-        RunConfig.load(config, mpu=mpu),
+        config,
         optimizer=optimizer,
         model_parameters=model_parameters,
         lr_scheduler=lr_scheduler,

@@ -243,6 +243,14 @@ def validate_section(model: type, section: str, raw: Any) -> Any:
         raise ConfigError(format_validation_error(section, error, model.unknown_key_message())) from None
 
 
+def optional_section(model: type, section: str, ds_config: Mapping[str, Any]) -> Any:
+    """The validated section, or None when the config has none or its ``enabled`` is false."""
+    if section not in ds_config:
+        return None
+    validated = validate_section(model, section, ds_config[section])
+    return validated if validated.enabled else None
+
+
 def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> Dict[str, Any]:
     """Read a DeepSpeed config given as a path or a dict into a fresh dict."""
     if isinstance(config, Mapping):

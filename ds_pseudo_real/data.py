@@ -75,6 +75,17 @@ BYTE_VOCAB = 256
 class DataSection(SectionModel):
     """The ``data`` section; which keys it takes depends on its ``type``."""
 
+    @staticmethod
+    def model_for(raw: Any) -> type:
+        """The model of the section's ``type``, which defaults to ``indexed`` when it names a prefix or a blend
+        (``validate_section`` refuses a section that is no object)."""
+        if not isinstance(raw, Mapping):
+            return DataSection
+        kind = raw.get("type", "indexed" if ("prefix" in raw or "blend" in raw) else "byte_corpus")
+        if kind not in DATA_SECTIONS:
+            raise ConfigError(f"invalid config:\n  data.type: got {kind!r}; expected one of {list(DATA_SECTIONS)}")
+        return DATA_SECTIONS[kind]
+
     @classmethod
     def unknown_key_message(cls) -> str:
         return f"unknown key for type {cls.model_fields['type'].default!r}; accepted: {list(cls.model_fields)}"
@@ -160,14 +171,9 @@ DATA_SECTIONS = {section.model_fields["type"].default: section for section in (B
 
 
 def parse_data_section(ds_config: Mapping[str, Any]) -> DataSection:
-    """The validated ``data`` section; ``type`` defaults to ``indexed`` when it names a prefix or a blend."""
+    """The validated ``data`` section (the byte corpus when absent)."""
     section = ds_config.get("data", {})
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"invalid config:\n  data: expected an object, got {section!r}")
-    kind = section.get("type", "indexed" if ("prefix" in section or "blend" in section) else "byte_corpus")
-    if kind not in DATA_SECTIONS:
-        raise ConfigError(f"invalid config:\n  data.type: got {kind!r}; expected one of {list(DATA_SECTIONS)}")
-    return validate_section(DATA_SECTIONS[kind], "data", section)
+    return validate_section(DataSection.model_for(section), "data", section)
 
 
 def indexed_vocabulary(options: IndexedData) -> Tuple[int, Optional[int]]:

@@ -13,12 +13,13 @@ from typing import Any, Dict, Mapping, Optional, Union
 import torch.distributed as dist
 
 from .config import (
-    MAIN_JOB_SECTIONS, PLUGIN_SECTIONS, SECTION, CheckpointOptions, PseudoToRealConfig, check_top_level_keys,
-    load_ds_config, parse_pseudo_to_real, split_checkpoint_options,
+    MAIN_JOB_SECTIONS, PLUGIN_SECTIONS, SECTION, CheckpointOptions, ConfigError, PseudoToRealConfig,
+    check_top_level_keys, load_ds_config, optional_section, parse_pseudo_to_real, split_checkpoint_options,
+    validate_section,
 )
-from .data import DataSection, parse_data_section
-from .models.sections import ModelSection, parse_model_section
-from .offload.config import GranularOffloadConfig, parse_granular_offload
+from .data import DataSection
+from .models.sections import MODEL_SECTIONS, GPTSection, ModelSection
+from .offload.config import SECTION as OFFLOAD_SECTION, GranularOffloadConfig
 from .training_facts import TrainingFacts
 
 
@@ -58,11 +59,16 @@ class RunConfig:
             return config
         raw = load_ds_config(config)
         check_top_level_keys(raw)
+        data_model = DataSection.model_for(raw.get("data", {}))
         pseudo_to_real = parse_pseudo_to_real(raw)
-        granular_offload = parse_granular_offload(raw)
+        granular_offload = optional_section(GranularOffloadConfig, OFFLOAD_SECTION, raw)
         without_plugin_keys, checkpoint = split_checkpoint_options(raw)
-        data = parse_data_section(raw)
-        model = parse_model_section(raw)
+        data = validate_section(data_model, "data", raw.get("data", {}))
+        chosen = [kind for kind in MODEL_SECTIONS if kind in raw]
+        if len(chosen) > 1:
+            raise ConfigError(f"the config has the model sections {chosen}; give one of {list(MODEL_SECTIONS)}")
+        kind = chosen[0] if chosen else GPTSection.kind  # none: gpt with its defaults
+        model = validate_section(MODEL_SECTIONS[kind], kind, raw.get(kind))
         deepspeed = {k: v for k, v in without_plugin_keys.items() if k not in PLUGIN_SECTIONS + MAIN_JOB_SECTIONS}
         training = TrainingFacts.from_deepspeed(deepspeed, world_size if world_size is not None else
                                                 data_parallel_size(mpu))

@@ -1,15 +1,15 @@
 """The main job's model sections of the config, ``gpt``, ``m6`` or ``hf``, validated like the plugin's sections.
 
-Owns: one pydantic model per section and choosing the config's one section. Must not build models, nor check what
-depends on the data or the ranks (the vocabulary, ``m6.expert_parallel`` against the world): ``build`` does.
+Owns: one pydantic model per section (``run_config`` picks the config's one section). Must not build models, nor
+check what depends on the data or the ranks (the vocabulary, ``m6.expert_parallel`` against the world): ``build`` does.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, Literal, Mapping, Optional, Union
+from typing import Any, ClassVar, Dict, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from ..config import ConfigError, SectionModel, validate_section
+from ..config import SectionModel
 from ..moe.architecture import PRESETS, M6Architecture, architecture_from_dict
 
 DEFAULT_SEQ_LEN = 128
@@ -84,11 +84,3 @@ class HFSection(ModelSection):
 
 MODEL_SECTIONS = {section.kind: section for section in (GPTSection, M6Section, HFSection)}
 
-
-def parse_model_section(ds_config: Mapping[str, Any]) -> ModelSection:
-    """The config's one model section, validated (none: ``gpt`` with its defaults)."""
-    chosen = [kind for kind in MODEL_SECTIONS if kind in ds_config]
-    if len(chosen) > 1:
-        raise ConfigError(f"the config has the model sections {chosen}; give one of {list(MODEL_SECTIONS)}")
-    kind = chosen[0] if chosen else GPTSection.kind
-    return validate_section(MODEL_SECTIONS[kind], kind, ds_config.get(kind))

@@ -175,6 +175,7 @@ def offload_optimizer(model: nn.Module, section: GranularOffloadConfig, training
     level is not accepted (``host_params`` for ``other``; for every layer's experts under ZeRO >= 1 or bf16).
     """
     ds_state.check_versions("granular_offload")
+    adam = adam_arguments(ds_config)  # a bad optimizer section refused before any host memory is taken
     sizes, params, plan = _plan(model, section, training, layer_path)
     groups = [param_group(size, ps, plan.level_of(size.name)) for size, ps in zip(sizes, params)]
     fetched = [g for g in groups if g["level"] == PlacementLevel.HOST_PARAMS.value]
@@ -198,7 +199,7 @@ def offload_optimizer(model: nn.Module, section: GranularOffloadConfig, training
     clip_grad = float(ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
     optimizer = GranularOffloadOptimizer(kept, pin_memory=section.pin_memory, host_params=host_params,
                                          own_groups=own, stream_gradients=plan.setup.streams_gradients,
-                                         clip_grad=clip_grad, device=device, **adam_arguments(ds_config))
+                                         clip_grad=clip_grad, device=device, **adam)
     patched = copy.deepcopy(dict(ds_config))
     patched.pop("optimizer")
     patched["zero_allow_untested_optimizer"] = True  # a client optimizer under ZeRO

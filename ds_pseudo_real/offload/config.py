@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from ds_pseudo_real.config import ConfigError, SectionModel, validate_section
+from ds_pseudo_real.config import ConfigError, SectionModel, optional_section
 from ds_pseudo_real.offload.planner import (
     DEFAULT_CPU_ADAM_PARAMS_PER_S, DEFAULT_PCIE_BYTES_PER_S, DEFAULT_RESERVED_BYTES, DTYPE_BYTES, EXPERTS, OTHER,
     STREAM_POOL_BYTES, GroupSize, OffloadPlan, PlacementLevel, PlanError, TrainingSetup, estimate_activation_bytes,
@@ -118,10 +118,7 @@ class GranularOffloadConfig(SectionModel):
 
 def parse_granular_offload(ds_config: Mapping[str, Any]) -> Optional[GranularOffloadConfig]:
     """The validated section, or None when it is absent or ``enabled`` is false."""
-    if SECTION not in ds_config:
-        return None
-    section = validate_section(GranularOffloadConfig, SECTION, ds_config[SECTION])
-    return section if section.enabled else None
+    return optional_section(GranularOffloadConfig, SECTION, ds_config)
 
 
 def _zero_key(zero: Mapping[str, Any], key: str, default: Any, kind: type) -> Any:
@@ -197,7 +194,8 @@ def planned_placement(section: GranularOffloadConfig, groups: Sequence[GroupSize
     within ``device_memory`` up to ``max_level``. Raises :class:`PlanError` (with the furthest placement tried)
     when it does not fit."""
     if section.levels is not None:
-        return place(groups, explicit_levels(section, groups, num_layers), setup)
+        levels = explicit_levels(section, groups, num_layers)
+        return place(groups, levels, setup)
     return plan_placement(groups, setup, section.device_memory, PlacementLevel(section.max_level))
 
 
