@@ -22,7 +22,7 @@ setup(
         "data": ["megatron-core==0.16.1", "tokenizers"],
         "hf": ["transformers>=4.40"],
         "monitor": ["tensorboard"],
-        "test": ["pytest>=8", *MEGATRON_LM, "tokenizers", "transformers>=4.40", "tensorboard"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", *MEGATRON_LM, "tokenizers", "transformers>=4.40", "tensorboard"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["ds-pseudo-real=ds_pseudo_real.cli:main"]},

@@ -42,13 +42,14 @@ def initialize(
     (the launcher's ``--deepspeed_config``).
     """
     from .controller import PseudoToRealController
+    from .pipeline import model_parallel_unit
     from .run_config import RunConfig
 
     if config is None:
         config = getattr(args, "deepspeed_config", None)
         if config is None:
             raise ConfigError("no DeepSpeed config: pass config=... or args with --deepspeed_config")
-    config = RunConfig.load(config, mpu=mpu)
+    config = RunConfig.load(config, mpu=model_parallel_unit(model, mpu))
     engine = PseudoToRealController(
         model,
         config,

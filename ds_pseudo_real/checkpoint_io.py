@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from typing import Any, Dict, Optional, Tuple
 
@@ -14,6 +15,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import ds_state, run_lock
+from .background_checkpoint import BackgroundCheckpoints, BackgroundSave
 from .callbacks import PSEUDO, REAL, RunState, TrainingState
 from .config import CheckpointOptions, ConfigError
 from .rank0 import is_rank0, log_rank0
@@ -92,7 +94,9 @@ class CheckpointIO:
     ``checkpoint`` section; ``pseudo_to_real``: whether the run has a pseudo stage (``pseudo_to_real.enabled``).
 
     ``run_id`` is rank 0's id for this controller (which also names its temporary folders) until it resumes from
-    a checkpoint, whose run it then goes on as.
+    a checkpoint, whose run it then goes on as. With ``checkpoint.async_save``, a save returns once the state is
+    copied to host memory and the rest happens in the background (``background_checkpoint``); ``poll`` at every
+    step boundary moves it on.
     """
 
     def __init__(self, stages: StageBuilder, run: RunState, options: CheckpointOptions, *, pseudo_to_real: bool):
@@ -103,6 +107,7 @@ class CheckpointIO:
         self._prepared_dirs: set = set()
         self._writer = ckpt.gather(uuid.uuid4().hex[:12])[0]
         self.run_id = self._writer
+        self.background: Optional[BackgroundCheckpoints] = None  # made by the first save with async_save on
 
     # ---- saving ----------------------------------------------------------------------------------------------
     def _plugin_state(self) -> Dict[str, Any]:
@@ -138,6 +143,8 @@ class CheckpointIO:
 
     def save(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict] = None) -> str:
         """See :meth:`~ds_pseudo_real.controller.PseudoToRealController.save_checkpoint`."""
+        self.wait("saving the next one")  # one snapshot in flight
+        start = time.perf_counter()
         engine = self._stages.engine
         tag = tag or f"global_step{engine.global_steps}"
         client = dict(client_state or {})
@@ -149,6 +156,9 @@ class CheckpointIO:
         if refusal is not None:
             raise ckpt.CheckpointError(f"checkpoint {os.path.join(save_dir, tag)} was not saved: {refusal}")
         staged = os.path.join(save_dir, ckpt.partial_tag(tag, self._writer))
+        if self._options.async_save:  # read at each save: the option may be switched during a run
+            self.background = self.background or BackgroundCheckpoints()
+            return self._save_in_background(save_dir, tag, client, staged, start)
         written, failure = {}, None
         try:
             with ds_state.checksummed_writes(engine, staged) as written:
@@ -160,14 +170,11 @@ class CheckpointIO:
         self._raise_if_save_failed(save_dir, tag, failure)
         every = ckpt.gather(written)
         fingerprints = ckpt.gather(ds_state.state_fingerprint(engine))  # compared after a load, per rank
-        swap_files = ckpt.gather(ds_state.swapped_state_files(engine))  # NVMe: each rank's saved files
+        sidecar = self._full_sidecar(save_dir)
         if is_rank0():
             try:
                 merged = {name: entry for part in every for name, entry in part.items()}
-                swapped = {"swapped_state_files": swap_files} if any(f is not None for f in swap_files) else {}
-                sidecar = {**self._sidecar(), "written_by": run_lock.holder_record(save_dir), "state": fingerprints,
-                           **swapped}
-                ckpt.publish(save_dir, tag, sidecar, merged, self._writer)
+                ckpt.publish(save_dir, tag, {**sidecar, "state": fingerprints}, merged, self._writer)
             except OSError as error:
                 failure = error
         self._raise_if_save_failed(save_dir, tag, failure)
@@ -176,27 +183,94 @@ class CheckpointIO:
         ckpt.barrier()
         return os.path.join(save_dir, tag)
 
+    def _full_sidecar(self, save_dir: str) -> Dict[str, Any]:
+        """Collective: the sidecar but the state fingerprints (rank 0's; {} on the others)."""
+        swap_files = ckpt.gather(ds_state.swapped_state_files(self._stages.engine))  # NVMe: each rank's saved files
+        if not is_rank0():
+            return {}
+        swapped = {"swapped_state_files": swap_files} if any(f is not None for f in swap_files) else {}
+        return {**self._sidecar(), "written_by": run_lock.holder_record(save_dir), **swapped}
+
+    def _save_in_background(self, save_dir: str, tag: str, client: Dict, staged: str, start: float) -> str:
+        """``checkpoint.async_save``: DeepSpeed's save with each file's state copied to host memory instead of
+        written, and the tensors the state fingerprint sums; writing, checksums, fsync, the fingerprint, the
+        manifest and the publication are the writer threads' (:class:`BackgroundSave`).
+
+        DeepSpeed's own decoupled engine (``checkpoint.writer.decoupled``) is no such snapshot: it hands the live
+        tensors to a writer process, and the next optimizer step waits until that process has written them; and
+        torch.distributed.checkpoint.async_save writes its own format, which DeepSpeed's load cannot read."""
+        engine, snapshot = self._stages.engine, self.background.snapshot
+        snapshot.begin()
+        files, terms, failure = {}, None, None
+        try:
+            with ds_state.checksummed_writes(engine, staged, snapshot=snapshot.copy) as files:
+                engine.save_checkpoint(save_dir, tag=os.path.basename(staged), client_state=client,
+                                       save_latest=False)
+            terms = ds_state.fingerprint_terms(engine, snapshot.tensor)
+        except (OSError, RuntimeError) as error:
+            failure = error
+            ckpt.barrier()  # the closing barrier of DeepSpeed's save_checkpoint, which this rank skipped
+        snapshot.end()
+        self._raise_if_save_failed(save_dir, tag, failure)
+        sidecar = self._full_sidecar(save_dir)
+        run_id, keep_last, writer = self.run_id, self._options.keep_last, self._writer
+
+        def publish(parts) -> None:  # rank 0's writer thread, once every rank's files are durable
+            refusal = run_lock.taken_over(save_dir)
+            if refusal is not None:
+                raise ckpt.CheckpointError(refusal)
+            merged = {name: entry for entries, _ in parts for name, entry in entries.items()}
+            ckpt.publish(save_dir, tag, {**sidecar, "state": [fingerprint for _, fingerprint in parts]}, merged,
+                         writer)
+            ckpt.prune(save_dir, keep_last, run_id)
+
+        folder = os.path.join(save_dir, tag)
+        self.background.start(BackgroundSave(
+            folder, staged, files, summary=lambda: ds_state.fingerprint_of(terms), publish=publish,
+            failed=lambda reports: self._save_failed(save_dir, tag, reports, background=True),
+            blocked_s=time.perf_counter() - start))
+        return folder
+
+    def poll(self) -> None:
+        """Collective at every step boundary: where the checkpoint written in the background stands; its failure is
+        raised here, on every rank (:class:`~ds_pseudo_real.background_checkpoint.BackgroundCheckpoints.poll`)."""
+        if self.background is not None:
+            self.background.poll()
+
+    def wait(self, before: str = "going on") -> None:
+        """Collective: until the checkpoint written in the background, if any, is published (or its failure
+        raised); ``before`` is what waits, for the log line."""
+        if self.background is not None:
+            self.background.wait(before)
+
     def _raise_if_save_failed(self, save_dir: str, tag: str, failure: Optional[BaseException]) -> None:
         """Collective: every rank raises when any rank's part of the save failed; rank 0 removes the partial folder."""
         reports = ckpt.gather(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if any(reports):
+            self._save_failed(save_dir, tag, reports, cause=failure)
+
+    def _save_failed(self, save_dir: str, tag: str, reports, cause: Optional[BaseException] = None,
+                     background: bool = False) -> None:
+        """Collective, once ``reports`` (each rank's failure or None) name one: rank 0 removes the partial folder once
+        every rank has stopped writing, and every rank raises the same CheckpointError."""
         ranks = [rank for rank, report in enumerate(reports) if report]
-        if not ranks:
-            return
         staged = os.path.join(save_dir, ckpt.partial_tag(tag, self._writer))
+        ckpt.barrier()
         if is_rank0():
             shutil.rmtree(staged, ignore_errors=True)
         ckpt.barrier()
         raise ckpt.CheckpointError(
-            f"could not save checkpoint {os.path.join(save_dir, tag)} (rank {', '.join(map(str, ranks))}): "
-            f"{reports[ranks[0]]}; the partial folder {staged} was removed and the run's state is intact; "
-            f"{ckpt.last_good(save_dir)}"
-        ) from failure
+            f"could not save checkpoint {os.path.join(save_dir, tag)} (rank {', '.join(map(str, ranks))}"
+            f"{', written in the background' if background else ''}): {reports[ranks[0]]}; the partial folder "
+            f"{staged} was removed and the run's state is intact; {ckpt.last_good(save_dir)}"
+        ) from cause
 
     # ---- resuming --------------------------------------------------------------------------------------------
     def load(self, load_dir: Optional[str], tag: Optional[str] = None, *, verify: Optional[str] = None,
              **kwargs) -> Tuple[Optional[str], Dict]:
         """See :meth:`~ds_pseudo_real.controller.PseudoToRealController.load_checkpoint`."""
         mode = verify or self._options.verify
+        self.wait("loading a checkpoint")
         if tag is None:
             if load_dir is None:
                 raise ValueError("load_checkpoint: give load_dir, or tag as the path of a checkpoint folder")

@@ -201,6 +201,7 @@ class CheckpointOptions(SectionModel):
 
     verify: Literal["checksum", "size", "none"] = "checksum"
     keep_last: Optional[int] = Field(None, ge=1)
+    async_save: bool = False
 
 
 def split_checkpoint_options(ds_config: Mapping[str, Any]) -> Tuple[Dict[str, Any], CheckpointOptions]:
@@ -212,6 +213,17 @@ def split_checkpoint_options(ds_config: Mapping[str, Any]) -> Tuple[Dict[str, An
         raise ConfigError(f"invalid config:\n  {CHECKPOINT_SECTION}: expected an object, got {section!r}")
     ours = {k: v for k, v in section.items() if k in CheckpointOptions.model_fields}
     options = validate_section(CheckpointOptions, CHECKPOINT_SECTION, ours)
+    # DeepSpeed's other checkpoint engines write the files themselves: its fast writer (checkpoint.writer) and the
+    # decoupled engine (writer.decoupled, a writer process fed the live tensors, which the next optimizer step waits
+    # for) would bypass the snapshot, the checksums and the fsync that async_save's publication relies on.
+    datastates = ds_config.get("datastates_ckpt")
+    others = [f"{key} ({value!r})" for key, value in (
+        ("checkpoint.writer", section.get("writer")),
+        ("datastates_ckpt.enabled", datastates.get("enabled") if isinstance(datastates, Mapping) else None)) if value]
+    if options.async_save and others:
+        raise ConfigError(f"invalid config:\n  {CHECKPOINT_SECTION}.async_save: true cannot be combined with "
+                          f"{' and '.join(others)}, which make DeepSpeed write the files with another checkpoint "
+                          f"engine: drop {'them' if len(others) > 1 else 'it'}, or set async_save to false")
     rest = dict(ds_config)
     rest[CHECKPOINT_SECTION] = {k: v for k, v in section.items() if k not in CheckpointOptions.model_fields}
     return rest, options

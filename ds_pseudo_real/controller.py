@@ -15,8 +15,8 @@ from .checkpoint_io import CheckpointIO
 from .config import SECTION, PlateauMetric
 from .device import use_rank_device
 from .rank0 import log_rank0
+from .pipeline import stage_builder_class
 from .run_config import RunConfig
-from .stages import StageBuilder
 from .transition import StageTransitionCallback, lr_factor
 
 
@@ -85,9 +85,10 @@ class PseudoToRealController:
         self._pseudo_lr_scale, self._rewarmup_steps = ptr_config.pseudo_lr_scale, ptr_config.rewarmup_steps
         self._track_train_loss = ptr_config.enabled and any(
             t.on_plateau is not None and t.on_plateau.metric == PlateauMetric.TRAINING.value for t in self._triggers)
-        self._stages = StageBuilder(model, ptr_config, config.granular_offload, config.training, config.deepspeed,
-                                    optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
-                                    mpu=mpu, step_hooks=(self._scale_lr, self._unscale_lr))
+        builder = stage_builder_class(model)  # a PipelineModule's, or the layer-list models'
+        self._stages = builder(model, ptr_config, config.granular_offload, config.training, config.deepspeed,
+                               optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+                               mpu=mpu, step_hooks=(self._scale_lr, self._unscale_lr))
         self.layer_path, self.num_layers = self._stages.layer_path, self._stages.num_layers
         self.stages = self._stages.stages
         self.stage_groups = [groups for _, groups in self.stages]
@@ -103,7 +104,7 @@ class PseudoToRealController:
         self._loss_count = 0
         self._lr_factor = 1.0
         self.last_transition: Optional[Dict[str, Any]] = None
-        self.training_dataloader = self._stages.start(model, self.state.stage, training_data, collate_fn)
+        self.training_dataloader = self._stages.start(self.state.stage, training_data, collate_fn)
         self._checkpoints = CheckpointIO(self._stages, self._run, self.checkpoint_options,
                                          pseudo_to_real=ptr_config.enabled)
         self.callbacks.fire("on_train_begin", self.state, self.control)
@@ -175,18 +176,39 @@ class PseudoToRealController:
 
     def step(self, **kwargs):
         boundary = self.engine.is_gradient_accumulation_boundary()
-        since = None if self.state.switch_step is None else self.engine.global_steps - self.state.switch_step
-        self._lr_factor = lr_factor(self.state.stage == PSEUDO, self._pseudo_lr_scale, since, self._rewarmup_steps)
+        self._lr_factor = self._stage_lr_factor()
         result = self.engine.step(**kwargs)
         self._lr_factor = 1.0
         if boundary:
-            self.state.global_step = self.engine.global_steps
-            if self._track_train_loss and self._loss_count:
-                self.state.last_train_loss = float(self._loss_sum) / self._loss_count
-                self._loss_sum, self._loss_count = None, 0
-            self.callbacks.fire("on_step_end", self.state, self.control)
-            self._maybe_delink()
+            self._step_ended()
         return result
+
+    def train_batch(self, data_iter=None):
+        """A PipelineModule's training step (DeepSpeed's ``PipelineEngine.train_batch``: the batch's micro batches
+        through the pipeline, then one optimizer step), then the callbacks, and the delink when they say so; returns
+        the batch's mean loss, the same on every rank. ``data_iter`` None: the iterator of the ``training_data``
+        given to ``initialize``, read on across the delink."""
+        self._lr_factor = self._stage_lr_factor()
+        loss = self.engine.train_batch(data_iter)
+        self._lr_factor = 1.0
+        if self._track_train_loss:
+            self._loss_sum, self._loss_count = loss.detach().float(), 1
+        self._step_ended()
+        return loss
+
+    def _stage_lr_factor(self) -> float:
+        since = None if self.state.switch_step is None else self.engine.global_steps - self.state.switch_step
+        return lr_factor(self.state.stage == PSEUDO, self._pseudo_lr_scale, since, self._rewarmup_steps)
+
+    def _step_ended(self) -> None:
+        """After an optimizer step: the state, the callbacks, and the delink when they ask for it."""
+        self.state.global_step = self.engine.global_steps
+        if self._track_train_loss and self._loss_count:
+            self.state.last_train_loss = float(self._loss_sum) / self._loss_count
+            self._loss_sum, self._loss_count = None, 0
+        self.callbacks.fire("on_step_end", self.state, self.control)
+        self._maybe_delink()  # a checkpoint in flight is written from its host copy: complete once saved
+        self._checkpoints.poll()  # last: a background save's failure raised here leaves the step complete
 
     def _scale_lr(self, optimizer, *_):
         """Step pre-hook: the stage's LR factor (``pseudo_lr_scale``, the re-warmup) applies to this optimizer step
@@ -243,12 +265,28 @@ class PseudoToRealController:
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict] = None) -> str:
         """Write a checkpoint atomically: ``<tag>.<writer>.partial`` by every rank (each file checksummed as it is
         written and fsynced), then rank 0 adds the manifest and renames it to ``<tag>`` + ``latest``, then applies
-        ``checkpoint.keep_last`` to this run's checkpoints. A ``tag`` that names another run's checkpoint is refused
-        before anything is written, and so is every save once the folder's lock file names another run
-        (:class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank). A failed write on any rank raises
-        CheckpointError on every rank, naming the file and the last good checkpoint; the partial folder is removed
-        and training can go on (a later save can succeed once the cause is gone)."""
+        ``checkpoint.keep_last`` to this run's checkpoints. With ``checkpoint.async_save`` it returns once the state
+        is copied to host memory (after waiting for the checkpoint still in flight, if any); the rest happens in the
+        background, and a failure there is raised by a later ``step``, save or :meth:`wait_for_checkpoints`. A
+        ``tag`` that names another run's checkpoint is refused before anything is written, and so is every save once
+        the folder's lock file names another run (:class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank).
+        A failed write on any rank raises CheckpointError on every rank, naming the file and the last good
+        checkpoint; the partial folder is removed and training can go on (a later save can succeed once the cause
+        is gone)."""
         return self._checkpoints.save(save_dir, tag, client_state)
+
+    def wait_for_checkpoints(self) -> None:
+        """With ``checkpoint.async_save``: block until the checkpoint being written in the background is published
+        (collective), raising its failure as :class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank. Call
+        it before the process ends, or that checkpoint is lost (the previous one stays the one to resume from). A
+        no-op for synchronous saves."""
+        self._checkpoints.wait("the run goes on")
+
+    @property
+    def checkpoint_in_flight(self) -> Optional[str]:
+        """The folder of the checkpoint being written in the background (``checkpoint.async_save``), or None."""
+        background = self._checkpoints.background
+        return None if background is None else background.in_flight
 
     def load_checkpoint(self, load_dir: Optional[str], tag: Optional[str] = None, *, verify: Optional[str] = None,
                         **kwargs) -> Tuple[Optional[str], Dict]:

@@ -7,7 +7,7 @@ typed parts it needs, never the JSON.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Union
 
 import torch.distributed as dist
@@ -52,11 +52,15 @@ class RunConfig:
     @classmethod
     def load(cls, config: Union[str, os.PathLike, Mapping[str, Any], "RunConfig"], *, world_size: Optional[int] = None,
              mpu=None) -> "RunConfig":
-        """Read ``config`` (a path or a dict; a RunConfig is returned as it is) for a run on ``world_size``
+        """Read ``config`` (a path, a dict or a RunConfig) for a run on ``world_size``
         data-parallel ranks (default: :func:`data_parallel_size` of ``mpu``). Every problem is a ``ConfigError``
-        naming the key, the value received and what is accepted."""
+        naming the key, the value received and what is accepted. A RunConfig is returned as it is, or with this
+        data-parallel size where it was read for another (its sections are not read again)."""
         if isinstance(config, RunConfig):
-            return config
+            size = world_size if world_size is not None else data_parallel_size(mpu)
+            if config.training.data_parallel_size == size:
+                return config
+            return replace(config, training=replace(config.training, data_parallel_size=size))
         raw = load_ds_config(config)
         check_top_level_keys(raw)
         data_model = DataSection.model_for(raw.get("data", {}))

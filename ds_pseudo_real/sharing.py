@@ -117,12 +117,30 @@ def copy_with_parameters(model: nn.Module, make: Callable[[nn.Parameter], nn.Par
     """Deep copy of ``model`` whose parameters are ``make(param)`` (ties kept; buffers copied).
 
     Pre-seeding ``deepcopy``'s memo keeps Parameter attributes that ``Parameter.__deepcopy__`` drops and never
-    copies the parameters' data.
+    copies the parameters' data. The process groups the modules hold are shared by the copy, not copied (torch
+    cannot copy them; a tensor-parallel layer holds its group, Megatron's in ``tp_group`` and ``pg_collection``).
     """
-    memo: Dict[int, Any] = {}
+    memo: Dict[int, Any] = {id(group): group for group in _held_process_groups(model)}
     for param in model.parameters():
         memo[id(param)] = make(param)
     return copy.deepcopy(model, memo)
+
+
+def _held_process_groups(model: nn.Module) -> List[Any]:
+    """The ``torch.distributed`` process groups ``model``'s modules hold as attributes, or inside an object held as
+    one (a collection of groups)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return []
+    found = []
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, (nn.Module, torch.Tensor, dict, list, tuple)):
+                continue  # submodules are visited themselves; torch's own dicts hold parameters, buffers, hooks
+            inner = list(vars(value).values()) if hasattr(value, "__dict__") else []
+            found += [v for v in (value, *inner) if isinstance(v, dist.ProcessGroup)]
+    return found
 
 
 def meta_skeleton(model: nn.Module) -> nn.Module:

@@ -119,8 +119,7 @@ def _give_storage(unit: nn.Module, names: Dict[int, str], made: Dict[int, nn.Par
     or the view ``views`` holds for it, floating ones in ``dtype`` when given, then fill them from ``weights``: the
     parameters that start from one tensor (the layers of a shared set) together, each piece of it read once; those
     whose value :class:`Starts` makes when read (noisy copies) one at a time, each value dropped once written."""
-    copies: Dict[int, Tuple[torch.Tensor, List[torch.Tensor]]] = {}  # by the source's id: (source, its copies)
-    own: List[Tuple[torch.Tensor, str]] = []  # (parameter, name) filled from a value made for it alone
+    named: List[Tuple[torch.Tensor, str]] = []  # (parameter, the name of its value in ``weights``)
     for module in unit.modules():
         for key, param in list(module._parameters.items()):
             if param is None or (id(param) not in made and param.device.type != "meta"):
@@ -130,18 +129,29 @@ def _give_storage(unit: nn.Module, names: Dict[int, str], made: Dict[int, nn.Par
                 if storage is None:
                     storage = torch.empty_like(param, device=device or "cpu", dtype=_cast(param, dtype))
                 real = parameter_like(param, storage)
-                name = names.get(id(param))
-                if isinstance(weights, Starts) and weights.made_on_read(name):
-                    own.append((real, name))
-                elif weights is not None:
-                    source = weights[name]
-                    copies.setdefault(id(source), (source, []))[1].append(real)
+                if weights is not None:
+                    named.append((real, names.get(id(param))))
                 made[id(param)] = real
             module._parameters[key] = made[id(param)]
+    fill_from(named, weights)
+
+
+def fill_from(named: List[Tuple[torch.Tensor, str]], weights: Mapping[str, torch.Tensor]) -> None:
+    """Write into each (tensor, name) of ``named`` the value ``weights`` has for its name: the tensors that start
+    from one value together, each piece of it read once; those whose value :class:`Starts` makes when read (noisy
+    copies) one at a time, each value dropped once written."""
+    copies: Dict[int, Tuple[torch.Tensor, List[torch.Tensor]]] = {}  # by the source's id: (source, its copies)
+    own: List[Tuple[torch.Tensor, str]] = []  # (tensor, name) filled from a value made for it alone
+    for target, name in named:
+        if isinstance(weights, Starts) and weights.made_on_read(name):
+            own.append((target, name))
+        else:
+            source = weights[name]
+            copies.setdefault(id(source), (source, []))[1].append(target)
     for source, targets in copies.values():
         fill_copies(targets, source)
-    for real, name in own:
-        fill_copies([real], weights[name])
+    for target, name in own:
+        fill_copies([target], weights[name])
 
 
 def materialize(skeleton: nn.Module, weights: Optional[Mapping[str, torch.Tensor]],
@@ -180,24 +190,22 @@ def return_freed_host_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-def refuse_model_parallelism(mpu, training: TrainingFacts) -> None:
-    """Granular offload is written for data (and expert) parallelism: its groups outside DeepSpeed's optimizer
-    are reduced over DeepSpeed's data-parallel group, but tensor, pipeline or sequence parallel layers (split
-    parameters, stages, sequence shards) are not handled, so they are refused until supported."""
+def refuse_model_parallelism(training: TrainingFacts) -> None:
+    """Granular offload plans the layers and slices a rank holds when it is given the model, and reduces its own
+    groups over DeepSpeed's data-parallel group (the mpu's under tensor or pipeline parallelism). Two layouts break
+    that and are refused: DeepSpeed's AutoTP splits the layers inside ``deepspeed.initialize``, after the plan and
+    the optimizer's groups were made from the whole ones; sequence parallelism (Ulysses) averages gradients over
+    the sequence-data-parallel group, which the own groups' reduction does not use."""
     sizes = {
-        "tensor parallel (mpu)": getattr(mpu, "get_tensor_model_parallel_world_size", lambda: 1)(),
-        "pipeline parallel (mpu)": getattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 1)(),
-        # the mpu interface DeepSpeed documents (Megatron-DeepSpeed's) and its pipeline grid name them so
-        "model parallel (mpu)": getattr(mpu, "get_model_parallel_world_size", lambda: 1)(),
-        "pipeline parallel (mpu grid)": getattr(mpu, "get_pipe_parallel_world_size", lambda: 1)(),
         "tensor_parallel.autotp_size": training.tensor_parallel_size,
         "sequence_parallel_size": training.sequence_parallel_size,
     }
     used = {name: size for name, size in sizes.items() if size and size > 1}
     if used:
         raise ConfigError(
-            f"granular_offload works with data (and expert) parallelism only; this run has {used}. Remove the "
-            f"granular_offload section, or run without tensor, pipeline and sequence parallelism"
+            f"granular_offload works with data, expert, tensor (layers split by the model, an mpu given) and "
+            f"pipeline parallelism; this run has {used}. Remove the granular_offload section, or split the layers "
+            f"in the model (Megatron-style, with an mpu) instead of AutoTP, and run without sequence parallelism"
         )
 
 
@@ -233,7 +241,8 @@ class StageBuilder:
                  model_parameters: Optional[Callable[[nn.Module], Any]], lr_scheduler: Optional[Callable], mpu,
                  step_hooks: Tuple[Callable, Callable]):
         self.layer_path = ptr_config.layers
-        self.num_layers = len(get_layer_list(model, self.layer_path))
+        self._name_path = self.layer_path  # where the names the delink maps hold their layer index
+        self.num_layers = self._count_layers(model)
         # fails early, naming the key, if a stage's groups does not divide L or does not split the stage before
         self.stages = ptr_config.stages(self.num_layers) if ptr_config.enabled else [(self.num_layers,) * 2]
         self.depth, self.groups = self.stages[0]
@@ -252,18 +261,49 @@ class StageBuilder:
         self._scheduler_factory = lr_scheduler
         self._mpu = mpu
         self._step_hooks = step_hooks
+        self.engine = self.optimizer = self.lr_scheduler = None
+        self.offload_plan = None
+        self._monitor = None
+        self._first_model = self._prepare(model, ptr_config)
+
+    # ---- the model's layout: what a model of another kind (a PipelineModule) does its own way ------------------
+    def _count_layers(self, model: nn.Module) -> int:
+        return len(get_layer_list(model, self.layer_path))
+
+    def _prepare(self, model: nn.Module, ptr_config: PseudoToRealConfig) -> nn.Module:
+        """The model the first stage trains (the caller's, its layers tied or truncated in place), and the meta
+        skeleton every later stage's model is built from."""
         if ptr_config.enabled and self.depth == self.num_layers:
             apply_sharing(model, self.layer_path, self.groups)
         self._skeleton = meta_skeleton(model)
         if self.depth < self.num_layers:  # a shallow start: the first layers only
             truncate_layers(model, self.layer_path, self.depth)
-        self.engine = self.optimizer = self.lr_scheduler = None
-        self.offload_plan = None
-        self._monitor = None
+        return model
+
+    def _parameter_names(self) -> List[str]:
+        """Every name a parameter of a stage's model may have, in the names the delink maps."""
+        return [name for name, _ in self._skeleton.named_parameters(remove_duplicate=False)]
+
+    def _mapped_name(self, name: str) -> str:
+        """The name the delink maps for the model's parameter ``name``: the same here."""
+        return name
+
+    def _total_parameter_numel(self, model: nn.Module) -> int:
+        """The model's distinct parameter elements over every rank (collective)."""
+        return ds_state.total_parameter_numel(model)
+
+    def _by_mapped_name(self, values: Dict[str, Any]) -> Dict[str, Any]:
+        """``values`` (by the model's parameter names) by the names the delink maps."""
+        return {self._mapped_name(name): value for name, value in values.items()}
+
+    def _by_model_name(self, values: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """``values`` (by mapped name) as the current model names its parameters."""
+        return values
 
     # ---- engines ----------------------------------------------------------------------------------------------
-    def start(self, model: nn.Module, stage: str, training_data=None, collate_fn=None):
+    def start(self, stage: str, training_data=None, collate_fn=None):
         """The first stage's engine, from the caller's model; returns DeepSpeed's training data loader."""
+        model, self._first_model = self._first_model, None
         return self._new_engine(model, stage, training_data, collate_fn)
 
     def _new_engine(self, model: nn.Module, stage: str, training_data=None, collate_fn=None):
@@ -273,7 +313,7 @@ class StageBuilder:
         if self._granular is not None:
             from .offload import describe_offload_plan, offload_optimizer
 
-            refuse_model_parallelism(self._mpu, self._training)
+            refuse_model_parallelism(self._training)
             optimizer, ds_config, self.offload_plan = offload_optimizer(model, self._granular, self._training,
                                                                         ds_config, self.layer_path)
             params = None
@@ -312,18 +352,7 @@ class StageBuilder:
         ``state``; returns the seconds of its phases (``model``: storage and values, ``engine``:
         ``deepspeed.initialize``, ``masters``: the fp32 masters set from ``weights``)."""
         start = time.perf_counter()
-        skeleton = copy_with_parameters(self._skeleton, lambda p: parameter_like(p, torch.empty_like(p)))
-        delink_layers(skeleton, self.layer_path)
-        if depth < self.num_layers:
-            truncate_layers(skeleton, self.layer_path, depth)
-        if groups < depth:
-            apply_sharing(skeleton, self.layer_path, groups)
-        device = rank_device()
-        if self._zero3:
-            model = self._materialize_partitioned(skeleton, weights, self._dtype, device)
-        else:
-            model = materialize(skeleton, weights, self._dtype, device,
-                                self._host_param_views(skeleton, self._dtype, device))
+        model = self._build_model(depth, groups, weights)
         built = time.perf_counter()
         self.depth, self.groups = depth, groups
         state.groups = groups
@@ -332,9 +361,24 @@ class StageBuilder:
         initialized = time.perf_counter()
         if weights is not None and self._dtype != torch.float32:
             # DeepSpeed made the fp32 masters from the working-dtype parameters, rounded: give them the full values
-            ds_state.set_full_fp32_params(self.engine, weights)
+            ds_state.set_full_fp32_params(self.engine, self._by_model_name(weights))
         return {"model": round(built - start, 3), "engine": round(initialized - built, 3),
                 "masters": round(time.perf_counter() - initialized, 3)}
+
+    def _build_model(self, depth: int, groups: int, weights: Optional[Mapping[str, torch.Tensor]]) -> nn.Module:
+        """The model of ``depth`` layers in ``groups`` parameter sets, from the skeleton, filled from ``weights``
+        where it trains."""
+        skeleton = copy_with_parameters(self._skeleton, lambda p: parameter_like(p, torch.empty_like(p)))
+        delink_layers(skeleton, self.layer_path)
+        if depth < self.num_layers:
+            truncate_layers(skeleton, self.layer_path, depth)
+        if groups < depth:
+            apply_sharing(skeleton, self.layer_path, groups)
+        device = rank_device()
+        if self._zero3:
+            return self._materialize_partitioned(skeleton, weights, self._dtype, device)
+        return materialize(skeleton, weights, self._dtype, device,
+                           self._host_param_views(skeleton, self._dtype, device))
 
     def _host_param_views(self, skeleton: nn.Module, dtype: torch.dtype, device: torch.device
                           ) -> Optional[Dict[int, torch.Tensor]]:
@@ -398,11 +442,12 @@ class StageBuilder:
 
         old_engine = self.engine
         pseudo_numel = parameter_numel(old_engine.module)
-        pseudo_total = ds_state.total_parameter_numel(old_engine.module)
+        pseudo_total = self._total_parameter_numel(old_engine.module)
         pseudo_memory = ds_state.memory_report(old_engine)
         pseudo_plan = self.offload_plan
         weights, moments = ds_state.gather_full_state(old_engine, self._policy != OptimizerStatePolicy.RESET.value,
                                                       GATHERED_ON)
+        weights, moments = self._by_mapped_name(weights), self._by_mapped_name(moments)
         gathered = sum(t.numel() * t.element_size() for t in [
             *weights.values(), *(t for per in moments.values() for t in per.values())])
         counters = ds_state.step_counters(old_engine)
@@ -415,14 +460,14 @@ class StageBuilder:
         lap("release")
         old = (self.depth, self.groups)
         (old_depth, old_groups), (new_depth, new_groups) = old, new
-        every_layer = [name for name, _ in self._skeleton.named_parameters(remove_duplicate=False)]
-        kept = [name for name in every_layer  # the skeleton's layers past the new depth are not in the model
-                if layer_index_of(name, self.layer_path) is None or layer_index_of(name, self.layer_path) < new_depth]
-        sources = {name: source_parameter(name, self.layer_path, old, new)[0] for name in kept}
+        path = self._name_path
+        kept = [name for name in self._parameter_names()  # the skeleton's layers past the new depth are not in it
+                if layer_index_of(name, path) is None or layer_index_of(name, path) < new_depth]
+        sources = {name: source_parameter(name, path, old, new)[0] for name in kept}
         # views (materialize copies them into place); a name missing from ``weights`` is a tie to another
         # parameter outside the layers (e.g. a head tied to the embedding), which materialize fills through it
         starts = Starts({name: weights[source] for name, source in sources.items() if source in weights},
-                        self._noise, self.layer_path)
+                        self._noise, path)
         lap("starts")
         phases.update(self.build(new_depth, new_groups, starts, state))
         held = gathered + starts.peak_bytes  # the gathered state and, beside it, the largest noisy copy
@@ -449,7 +494,7 @@ class StageBuilder:
             "parameters_before": pseudo_numel,  # this rank's
             "parameters_after": parameter_numel(engine.module),
             "parameters_before_total": pseudo_total,  # the model's, over every rank
-            "parameters_after_total": ds_state.total_parameter_numel(engine.module),
+            "parameters_after_total": self._total_parameter_numel(engine.module),
             "optimizer_state": self._policy,
             "moments_carried": carried,
             "memory_before": pseudo_memory,
@@ -474,7 +519,7 @@ class StageBuilder:
         unwritten = ds_state.seed_optimizer_state(engine, counters)
         copies: Dict[str, Tuple[int, List[nn.Parameter]]] = {}  # by shared parameter: (members, its copies)
         for name, param in engine.module.named_parameters():
-            source, members = source_parameter(name, self.layer_path, old, new)
+            source, members = source_parameter(self._mapped_name(name), self._name_path, old, new)
             if source in moments:
                 copies.setdefault(source, (members, []))[1].append(param)
         swapped = []  # the copies in sub-groups ZeRO-3 swaps to NVMe, written a sub-group at a time after

@@ -194,6 +194,41 @@ def write_monitor(engine, events: dict, step: int, tokens_per_step: int) -> None
                          + [("Train/Samples/tokens", step * tokens_per_step, samples)])
 
 
+def warn_on_failed_save(action, rank: int) -> None:
+    """Run ``action``, which may save or finish a checkpoint (``engine.step`` finishes one written in the background):
+    its CheckpointError, raised on every rank, is a warning from rank 0, and training goes on (the next save tries
+    again; the last good checkpoint is named)."""
+    try:
+        action()
+    except CheckpointError as error:
+        if rank == 0:
+            print(f"[ds_pseudo_real] WARNING: {error}", file=sys.stderr, flush=True)
+
+
+def save_before_stopping(engine, folder: str, step: int, signal_name: str, rank: int) -> None:
+    """On a stop signal: the checkpoint of ``step``, published before the ranks exit. With ``checkpoint.async_save``,
+    the checkpoint still being written is finished first, and when it is this very step's (the interval's) it is not
+    written again; the time taken is printed, for sizing the grace period before SIGKILL (SLURM's ``--signal-grace``,
+    its KillWait after a preemption's SIGTERM). A failure of the stop's own save exits 2."""
+    start = time.perf_counter()
+    in_flight = engine.checkpoint_in_flight
+    if in_flight is not None:
+        if rank == 0:
+            print(f"[ds_pseudo_real] stopping on signal {signal_name} at step {step}: waiting for the checkpoint "
+                  f"being written in the background, {in_flight}", flush=True)
+        try:
+            engine.wait_for_checkpoints()
+        except CheckpointError as error:
+            if rank == 0:
+                print(f"[ds_pseudo_real] WARNING: {error}", file=sys.stderr, flush=True)
+            in_flight = None
+    if in_flight is None or Path(in_flight).name != f"global_step{step}":
+        engine.save_checkpoint(folder)
+        engine.wait_for_checkpoints()
+    print(f"saved checkpoint at step {step} on signal {signal_name} ({time.perf_counter() - start:.2f} s after the "
+          f"step ended)", flush=True)
+
+
 def single_process_defaults() -> None:
     """Started without a launcher (``python launch/train.py``, ``ds-pseudo-real train``): one rank on this host,
     so DeepSpeed does not fall back to MPI discovery."""
@@ -313,8 +348,8 @@ def train(args: argparse.Namespace) -> int:
             x, y = corpus.batch("train", micro, seq_len, args.seed, step * gas + m, rank)
             loss = engine(x.to(engine.device), y.to(engine.device))
             engine.backward(loss)
-            engine.step()
             loss_sum += loss.detach().float()
+            warn_on_failed_save(engine.step, rank)  # a checkpoint written in the background may fail here
         # the stop flag rides along: every rank stops at the same step if any rank got the signal
         loss_total, stopping = sum_over_ranks([loss_sum, torch.tensor(float(bool(stopper.received)))], engine.device)
         train_loss = loss_total / (gas * world)
@@ -346,18 +381,15 @@ def train(args: argparse.Namespace) -> int:
             window_start, window_steps = time.perf_counter(), 0
         write_monitor(engine, events, done, tokens_per_step)
         if args.save_interval and done % args.save_interval == 0 and done < steps:
-            try:
-                engine.save_checkpoint(str(ckpt_dir))
-            except CheckpointError as error:  # every rank raises; training goes on and the next interval tries again
-                if rank == 0:
-                    print(f"[ds_pseudo_real] WARNING: {error}", file=sys.stderr, flush=True)
+            warn_on_failed_save(lambda: engine.save_checkpoint(str(ckpt_dir)), rank)
         if stopping > 0:
-            engine.save_checkpoint(str(ckpt_dir))
-            print(f"saved checkpoint at step {done} on signal {stopper.received or 'from another rank'}", flush=True)
+            save_before_stopping(engine, str(ckpt_dir), done, stopper.received or "from another rank", rank)
             return 0
 
     if engine.global_steps > start_step or not ckpt_dir.exists():
+        warn_on_failed_save(engine.wait_for_checkpoints, rank)  # the last interval's, written in the background
         engine.save_checkpoint(str(ckpt_dir))
+    engine.wait_for_checkpoints()  # the final checkpoint published, or exit 2
     if rank == 0:
         try:
             plot_history(read_records(out / "metrics.jsonl"), out / "loss.png", title=Path(args.deepspeed_config).name)

@@ -74,6 +74,14 @@ TRAINING_PATCHES: List[Patch] = [
           "a device"),
     Patch("megatron.legacy.fused_kernels.load -> no-op",
           "builds CUDA kernels (fails without CUDA_HOME); the local spec does not use them"),
+    Patch("dist_checkpointing.strategies.async_utils.PersistentAsyncCaller.async_loop: torch.cuda.device_count -> 1 "
+          "and set_device -> no-op in the worker process",
+          "--async-save's checkpoint worker (a spawned process, without the patches above) starts with "
+          "torch.cuda.set_device(rank % torch.cuda.device_count()): ZeroDivisionError, and the run waits forever"),
+    Patch("dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync.preload_tensors: a copy of every "
+          "tensor",
+          "--async-save's snapshot is tensor.to('cpu'), a copy from a GPU but the live tensor itself on the CPU: the "
+          "worker would write weights that training goes on changing (the trainer waits only for this preload)"),
     Patch("megatron.training.arguments.get_device_arch_version -> 10",
           "validate_args asks the GPU's architecture when TP or CP > 1 (to demand CUDA_DEVICE_MAX_CONNECTIONS=1 "
           "before Blackwell, 10): 'Torch not compiled with CUDA enabled'; a CPU has no CUDA queues to limit"),
@@ -237,6 +245,8 @@ def install_training() -> bool:
     import megatron.legacy.fused_kernels as fused_kernels
     import megatron.training.arguments as arguments
     import megatron.training.training as training_module
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     initialize_megatron = training_module.initialize_megatron
 
@@ -248,6 +258,8 @@ def install_training() -> bool:
     _STATE.set(torch.cuda, "set_device", lambda device: None)
     _STATE.set(fused_kernels, "load", lambda args: None)
     _STATE.set(arguments, "get_device_arch_version", lambda: NO_CONNECTION_LIMIT_ARCH)
+    _STATE.set(PersistentAsyncCaller, "async_loop", staticmethod(_async_loop_on_cpu))
+    _STATE.set(FileSystemWriterAsync, "preload_tensors", staticmethod(_preload_copies))
     _STATE.training = True
     return True
 
@@ -264,6 +276,24 @@ def uninstall() -> None:
         else:
             setattr(owner, name, original)
     _STATE = None
+
+
+# The two functions below are handed to --async-save's spawned worker process by reference (pickled by name), so
+# they live at module level.
+def _async_loop_on_cpu(*args, **kwargs):
+    """``PersistentAsyncCaller.async_loop`` in the worker process, which imports megatron-core afresh (unpatched):
+    it asks CUDA for a device first."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda device: None
+    return vars(PersistentAsyncCaller)["async_loop"].__func__(*args, **kwargs)
+
+
+def _preload_copies(write_buckets, non_blocking=True):
+    """``FileSystemWriterAsync.preload_tensors`` (megatron-core 0.16), copying: the snapshot the trainer waits for."""
+    return [(file_name, storage_key, (bytes_data, [(item, tensor.to("cpu", copy=True)) for item, tensor in tensors]))
+            for file_name, storage_key, (bytes_data, tensors) in write_buckets]
 
 
 def _drop_message(message: str) -> Callable:

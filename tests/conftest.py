@@ -13,6 +13,22 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (.ci/run runs ``-n 2``): a test file stays on one worker, so that its module fixtures
+    (trained engines, launched runs) are built once, and the SLURM files share one worker, since their jobs share the
+    clusters' few CPUs and would otherwise queue behind each other's time limits. Files with the most tests go
+    first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/slurm" if path.startswith("tests/slurm/") else path
+
+    return FileScheduling(config, log)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -93,7 +93,11 @@ def test_readmes_stay_short(path: Path):
     assert len(path.read_text().splitlines()) <= 250
 
 
+# Two pytest-xdist workers, a test file (and all the SLURM files together) on one worker: tests/conftest.py
+TEST_COMMAND = "pytest -q -n 2 tests"
+
+
 def test_the_main_readme_shows_the_test_command_ci_runs():
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
-    assert "pytest -q tests" in readme and "pytest -q tests" in ci.replace("python -m pytest", "pytest")
+    assert TEST_COMMAND in readme and TEST_COMMAND in ci.replace("python -m pytest", "pytest")

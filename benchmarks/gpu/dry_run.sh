@@ -5,7 +5,8 @@
 # configuration, no other environment), on smaller models (CHECK_SIZE=dry). Every install, import and build step of
 # the GPU check runs, CPU Adam built from scratch: what the bundle lacks or the build needs fails here first. CI runs
 # it (.ci/run); about 5 minutes on 2 cores, most of it the CPU Adam build.
-# Usage: bash benchmarks/gpu/dry_run.sh [WORK_DIR, default a new temporary directory]
+# Usage: [CHECK_CAP_FACTOR=5] bash benchmarks/gpu/dry_run.sh [WORK_DIR, default a new temporary directory]
+# (CHECK_CAP_FACTOR: every step's cap times this; .ci/run, which runs it beside the tests, gives it more)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WORK="${1:-$(mktemp -d)}"
@@ -16,4 +17,4 @@ python3 -m venv "$WORK/venv"
 env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_CONSTRAINT -u VIRTUAL_ENV -u PYTHONPATH \
   PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PATH="$WORK/venv/bin:/usr/local/bin:/usr/bin:/bin" \
   PYTHON="$WORK/venv/bin/python" OUT="$WORK/out" CHECK_SITE="$WORK/site" TORCH_EXTENSIONS_DIR="$WORK/extensions" \
-  CHECK_SIZE=dry CHECK_CAP_FACTOR=5 OMP_NUM_THREADS=1 bash benchmarks/gpu/check.sh "$WORK/bundle"
+  CHECK_SIZE=dry CHECK_CAP_FACTOR="${CHECK_CAP_FACTOR:-5}" OMP_NUM_THREADS=1 bash benchmarks/gpu/check.sh "$WORK/bundle"

@@ -7,8 +7,10 @@
     moments               Adam's moments and step counters read, seeded and written; the CPU Adam kernel replay
     weights               full fp32 weights read and written; the whole model's weights and moments gathered
     nvme_checkpoint       the optimizer state a ZeRO-3 checkpoint holds on NVMe, restored after a load and converted
-    checkpoint_integrity  checkpoint files checksummed as DeepSpeed writes them; the state fingerprint of a load
-    process_groups        the data-parallel and expert groups DeepSpeed reduces gradients over
+    checkpoint_integrity  checkpoint files checksummed as DeepSpeed writes them (or snapshotted for a writer
+                          thread); the state fingerprint of a load
+    process_groups        the data-parallel, expert and model-parallel groups DeepSpeed reduces gradients over
+    pipeline              a PipelineModule's specs and stage's layers read, a module like it built, tied weights synced
     accounting            the bytes a rank holds, the parameters over all ranks
     engine_hooks          granular offload's gradients in the engine's norm, overflow check, zero_grad and reduction
     host_broadcast        the one class-level patch: the model broadcast sends host tensors through the device
@@ -35,8 +37,9 @@ from .nvme_checkpoint import (
     regather_persistent_parameters, restore_swapped_optimizer_state, swapped_state_files,
     zero3_fp32_weights_with_swapped_masters,
 )
-from .checkpoint_integrity import checksummed_writes, state_fingerprint
-from .process_groups import data_parallel_group, expert_data_parallel_group
+from .checkpoint_integrity import checksummed_writes, fingerprint_of, fingerprint_terms, state_fingerprint
+from .process_groups import data_parallel_group, expert_data_parallel_group, model_parallel, splits_over_tensor_parallel
+from .pipeline import is_pipeline_module, pipeline_stage_layers, tied_across_stages
 from .accounting import memory_report, total_parameter_numel
 from .engine_hooks import before_gradient_reduction, drop_gradients_with, include_in_gradient_norm, steps_when_built
 from .host_broadcast import HOST_BROADCAST_CHUNK_BYTES, route_host_broadcasts, unroute_host_broadcasts

@@ -11,14 +11,16 @@ from deepspeed.runtime.utils import combine_grad_norm_groups
 from .layout import basic_optimizer
 
 
-def include_in_gradient_norm(engine, extra_norm: Callable[[], torch.Tensor]) -> Callable[[], Tuple[Any, float]]:
-    """Make the global gradient norm of ``engine``'s ZeRO 1/2 or bf16 optimizer include ``extra_norm()`` (the L2
-    norm of gradients it does not hold, already reduced over the data-parallel ranks), so that it clips with the
-    whole model's norm. Returns a callable giving the norm of the current step once DeepSpeed computed it.
+def include_in_gradient_norm(engine, extra_norm: Callable[[bool], torch.Tensor]) -> Callable[[], Tuple[Any, float]]:
+    """Make the global gradient norm of ``engine``'s ZeRO 1/2 or bf16 optimizer include ``extra_norm(summed)`` (the
+    L2 norm of gradients it does not hold, already reduced over the data-parallel ranks; ``summed``: over the
+    model-parallel group too, else this rank's part), so that it clips with the whole model's norm. Returns a
+    callable giving the norm of the current step once DeepSpeed computed it.
 
     DeepSpeed 0.19.8: ZeRO 1/2 combine their group norms in ``scaled_global_norm()`` before clipping; the bf16
     optimizer takes the norm of the tensors ``get_grads_for_norm()`` lists, so a one-element tensor holding the
-    extra norm adds its square; the stage-0 unfused optimizer (bf16 with a client optimizer) passes its norm to
+    extra norm adds its square (it sums the squares over the model-parallel group itself: this rank's part is
+    given); the stage-0 unfused optimizer (bf16 with a client optimizer) passes its norm to
     ``unscale_and_clip_grads``, after deciding on overflow (its ``overflow_checker``, which an inf or NaN extra norm
     trips too). All keep the result in ``_global_grad_norm`` and skip the step for an inf or NaN extra norm as they
     do for their own (bf16 ZeRO 1/2: when ``bf16.check_grad_overflow``). The returned callable gives
@@ -31,7 +33,7 @@ def include_in_gradient_norm(engine, extra_norm: Callable[[], torch.Tensor]) -> 
 
         def scaled_global_norm(norm_type=2):
             norm = original(norm_type)
-            return combine_grad_norm_groups([norm, extra_norm().to(norm.device)], norm_type=norm_type)
+            return combine_grad_norm_groups([norm, extra_norm(True).to(norm.device)], norm_type=norm_type)
 
         optimizer.scaled_global_norm = scaled_global_norm
         return lambda: (optimizer._global_grad_norm, optimizer.loss_scale)
@@ -44,7 +46,7 @@ def include_in_gradient_norm(engine, extra_norm: Callable[[], torch.Tensor]) -> 
                 return grads
             dense, experts = grads
             device = dense[0].device if dense else torch.device("cpu")
-            return dense + [extra_norm().to(device).reshape(1)], experts
+            return dense + [extra_norm(False).to(device).reshape(1)], experts
 
         optimizer.get_grads_for_norm = get_grads_for_norm
         return lambda: (optimizer._global_grad_norm, 1.0)
@@ -56,11 +58,11 @@ def include_in_gradient_norm(engine, extra_norm: Callable[[], torch.Tensor]) -> 
         extra = {}
 
         def check(*args, **kwargs):
-            extra["norm"] = float(extra_norm())
+            extra["norm"] = float(extra_norm(True))
             return original_check(*args, **kwargs) or not math.isfinite(extra["norm"])
 
         def unscale_and_clip_grads(total_norm, apply_scale=True):
-            norm = extra.pop("norm") if "norm" in extra else float(extra_norm())
+            norm = extra.pop("norm") if "norm" in extra else float(extra_norm(True))
             total_norm = float(torch.tensor([total_norm, norm]).norm())
             optimizer._global_grad_norm = total_norm
             return original(total_norm, apply_scale)

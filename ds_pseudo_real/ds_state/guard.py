@@ -49,11 +49,14 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
         "DeepSpeedEngine": ("checkpoint_engine",),
         "TorchCheckpointEngine": ("save", "zipfile_serialization"),
     },
-    # its own groups (host_params outside DeepSpeed's optimizer): norm, overflow, zero_grad; used by engine_hooks,
-    # process_groups, moments (the CPU Adam kernel), ds_pseudo_real.offload (the dtype, the CPU Adam kernel)
+    # its own groups (host_params outside DeepSpeed's optimizer): norm, overflow, zero_grad, the groups; used by
+    # engine_hooks, process_groups, moments (the CPU Adam kernel), ds_pseudo_real.offload (the dtype, the CPU Adam
+    # kernel)
     "granular_offload": {
-        "DeepSpeedEngine": ("communication_data_type",),
+        "DeepSpeedEngine": ("communication_data_type", "mpu"),
         "deepspeed.utils.groups": ("_get_data_parallel_group", "_get_expert_data_parallel_group"),
+        "deepspeed.utils.bwc": ("bwc_tensor_model_parallel_rank",),
+        "deepspeed.runtime.utils": ("is_model_parallel_parameter",),
         "DeepSpeedCPUAdam": ("ds_opt_adam.adam_update", "opt_id"),
         "engine.optimizer": {
             "DeepSpeedZeroOptimizer": ("scaled_global_norm", "_global_grad_norm", "loss_scale", "zero_grad"),
@@ -64,6 +67,16 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
                                       "initialize_optimizer_states"),
             OPTIMIZER_AS_GIVEN: (),  # fp32 ZeRO 0 has no own groups
         },
+    },
+    # a PipelineModule's stages rebuilt with their layers tied or untied, the data iterator carried to the next
+    # engine; used by pipeline and ds_pseudo_real.pipeline
+    "pipeline": {
+        "PipelineModule": ("_layer_specs", "parts", "stage_id", "_set_bounds", "_partition_layers", "_topo",
+                           "loss_fn", "seed_layers", "seed_fn", "base_seed", "activation_checkpoint_interval",
+                           "activation_checkpoint_func", "checkpointable_layers", "dynamic_shape",
+                           "_synchronize_tied_weights", "tied_comms", "global_rank", "mpu", "_local_start",
+                           "_local_stop", "tied_modules"),
+        "PipelineEngine": ("data_iterator", "set_dataiterator", "train_batch"),
     },
     # a ZeRO-3 checkpoint with the optimizer state on NVMe: the swapped fp32 partitions filled in; used by
     # nvme_checkpoint

@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
+import torch
+import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
@@ -19,11 +21,11 @@ from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.offload.config import (
     SECTION, GranularOffloadConfig, parse_granular_offload, planned_placement, training_setup,
 )
+from ds_pseudo_real.offload.layers import rank_layers
 from ds_pseudo_real.offload.optimizer import GranularOffloadOptimizer
 from ds_pseudo_real.offload.planner import (
     EXPERTS, OTHER, GroupSize, OffloadPlan, PlacementLevel, PlanError, describe_plan, plan_placement,
 )
-from ds_pseudo_real.sharing import get_layer_list
 from ds_pseudo_real.training_facts import TrainingFacts
 
 ADAM_TYPES = {"adam": None, "adamw": True}  # DeepSpeed: "Adam" takes adam_w_mode (default True), "AdamW" forces it
@@ -49,7 +51,9 @@ def _expert_data_parallel_sizes(model: nn.Module, world_size: int) -> Dict[str, 
 def model_groups(model: nn.Module, layer_path: str, world_size: int = 1
                  ) -> Tuple[List[GroupSize], List[List[nn.Parameter]]]:
     """One group per layer that owns parameters not seen in an earlier layer, then one ``layer<i>.experts`` per
-    layer owning DeepSpeed MoE expert parameters (``allreduce=False``), then ``other`` for the rest.
+    layer owning DeepSpeed MoE expert parameters (``allreduce=False``), then ``other`` for the rest: of the layers
+    this rank holds (:func:`~ds_pseudo_real.offload.layers.rank_layers`: a pipeline stage's own, numbered as in the
+    whole model), at the size they have here (a tensor-parallel slice's).
 
     Parameters shared between layers (a pseudo model) belong to the first layer using them, counted once;
     ``uses`` says how many layers run with them. Parameters that do not require grad are left out. An expert
@@ -57,14 +61,14 @@ def model_groups(model: nn.Module, layer_path: str, world_size: int = 1
     expert parameters outside the layer list or of two expert groups in one layer (DeepSpeed reduces each
     optimizer group over one expert-data-parallel group).
     """
-    layers = get_layer_list(model, layer_path)
+    layers, _ = rank_layers(model, layer_path)
     expert_dp = _expert_data_parallel_sizes(model, world_size)
     uses: Dict[int, int] = {}
-    for layer in layers:
+    for _, layer in layers:
         for p in set(layer.parameters()):
             uses[id(p)] = uses.get(id(p), 0) + 1
     seen, dense, experts = set(), [], []
-    for i, layer in enumerate(layers):
+    for i, layer in layers:
         own = [p for p in layer.parameters() if id(p) not in seen and p.requires_grad]
         seen.update(id(p) for p in layer.parameters())
         plain = [p for p in own if not is_moe_param(p)]
@@ -116,9 +120,35 @@ def adam_arguments(ds_config: Mapping[str, Any]) -> Dict[str, Any]:
 def _plan(model: nn.Module, section: GranularOffloadConfig, training: TrainingFacts, layer_path: str
           ) -> Tuple[List[GroupSize], List[List[nn.Parameter]], OffloadPlan]:
     sizes, params = model_groups(model, layer_path, training.data_parallel_size)
-    num_layers = len(get_layer_list(model, layer_path))
-    plan = planned_placement(section, sizes, training_setup(section, training, num_layers), num_layers)
+    layers, num_layers = rank_layers(model, layer_path)
+    plan = planned_placement(section, sizes, training_setup(section, training, len(layers)), num_layers)
+    _refuse_own_steps_of_tied_across_stages(model, sizes, params, plan)
     return sizes, params, plan
+
+
+def _refuse_own_steps_of_tied_across_stages(model: nn.Module, sizes: List[GroupSize],
+                                            params: List[List[nn.Parameter]], plan: OffloadPlan) -> None:
+    """A pipeline's tied module held by several stages (a pseudo stage's sharing group over stages, tied embeddings)
+    cannot be at host_params where the offload steps that level itself: the pipeline engine all-reduces tied
+    gradients between the stages on ``.grad`` before the step (DeepSpeed 0.19.8 ``_exec_reduce_tied_grads``), which
+    such a group has already moved to the host, so each stage would step its copy with its own gradient only.
+    Collective over the pipeline's ranks (each plans its own stage): every stage refuses when one does."""
+    if not plan.setup.host_params_outside_deepspeed or not ds_state.is_pipeline_module(model):
+        return
+    tied = {id(p) for p in ds_state.tied_across_stages(model)}
+    refused = [size.name for size, ps in zip(sizes, params)
+               if plan.level_of(size.name) is PlacementLevel.HOST_PARAMS and any(id(p) in tied for p in ps)]
+    anywhere = torch.tensor([len(refused)])
+    if dist.is_initialized():
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)  # a stage that would go on alone waits for the others
+    if anywhere.item():
+        raise ConfigError(f"invalid config:\n  {SECTION}.levels: got 'host_params' for "
+                          f"{refused or 'a group of another stage'}, a module that other pipeline stages hold too (a "
+                          f"tied module: a sharing group over stages, tied embeddings); under ZeRO >= 1 or bf16 the "
+                          f"offload steps host_params outside DeepSpeed's optimizer, past the pipeline's all-reduce of "
+                          f"tied gradients between the stages, and the stages' copies would drift apart; accepted for "
+                          f"it: 'device' or 'host_optimizer', or pseudo_to_real.groups a multiple of the number of "
+                          f"stages (each set inside one stage)")
 
 
 def host_params_placement(model: nn.Module, section: GranularOffloadConfig, training: TrainingFacts,
@@ -215,7 +245,9 @@ def attach_to_engine(engine) -> None:
     whole model; an inf or NaN there makes DeepSpeed skip the step), drop them whenever DeepSpeed zeroes its gradients
     (after every step, a skipped one included) and reduce them in the engine's communication dtype over its
     data-parallel group (experts: their expert-data-parallel group, divided by the data-parallel size, as DeepSpeed
-    does). Nothing to do for other optimizers."""
+    does). Under model parallelism (the engine's mpu, a pipeline's grid) their norm is counted as DeepSpeed counts its
+    own and summed over the model-parallel group, on every rank of it whether it has own groups or not. Nothing to
+    do for other optimizers."""
     optimizer = ds_state.basic_optimizer(engine)
     if not isinstance(optimizer, GranularOffloadOptimizer):
         return
@@ -224,10 +256,17 @@ def attach_to_engine(engine) -> None:
         optimizer.host_params.adopt_all()
         if engine.zero_optimization_stage() == 0:  # the engine all-reduces every gradient, a missing one made on
             ds_state.before_gradient_reduction(engine, optimizer.host_params.give_missing_gradients)  # the host
+    model_parallel_group, tensor_parallel_rank = ds_state.model_parallel(engine)
+    wrapped = engine.optimizer is not optimizer  # DeepSpeed's ZeRO 1/2 or bf16 optimizer takes the norm
+    if optimizer.own_param_groups or (model_parallel_group is not None and wrapped):
+        # under model parallelism every rank of the group joins the own norm's all-reduce (a pipeline stage or a
+        # slice may have no own groups while another has), wherever DeepSpeed's optimizer takes the norm
+        optimizer.own_gradients.model_parallel_group = model_parallel_group
+        optimizer.own_gradients.tensor_parallel_rank = tensor_parallel_rank
+        optimizer.global_grad_norm = ds_state.include_in_gradient_norm(engine, optimizer.own_grad_norm)
     if optimizer.own_param_groups:
         if ds_state.steps_when_built(engine):
             optimizer.zero_gradient_step()
-        optimizer.global_grad_norm = ds_state.include_in_gradient_norm(engine, optimizer.own_grad_norm)
         ds_state.drop_gradients_with(engine, optimizer.drop_own_gradients)
         optimizer.communication_dtype = engine.communication_data_type
         optimizer.reduce_group = ds_state.data_parallel_group()

@@ -44,6 +44,10 @@ class OwnGradients:
         self._group_of = {p: g for g in self.groups for p in g["params"]}
         self.reduce_group = None  # DeepSpeed's data-parallel group (``attach_to_engine``); None: the world
         self.communication_dtype: Optional[torch.dtype] = None  # the engine's, set by ``attach_to_engine``
+        # DeepSpeed's model-parallel group (the norm is summed over it; None: no model parallelism) and this rank's
+        # tensor-parallel rank, set by ``attach_to_engine``
+        self.model_parallel_group = None
+        self.tensor_parallel_rank = 0
         self.received: Set[torch.Tensor] = set()  # params whose host buffer holds a gradient this step
         self.peak_device_bytes = 0  # the most gradient bytes one flush held on the device
         # group index -> params ready, not flushed (a dict as an ordered set: a param whose gradient is accumulated
@@ -159,15 +163,22 @@ class OwnGradients:
             if p not in self.received:
                 self.host.grad_buffer(p).zero_()
 
-    def norm(self) -> torch.Tensor:
+    def norm(self, sum_model_parallel: bool = True) -> torch.Tensor:
         """L2 norm of this step's gradients (averaged over the ranks), fp32 on the host.
 
         Experts count as DeepSpeed counts its expert groups: the squares of every rank's experts summed over the
-        data-parallel ranks (each expert once: divided by its expert-data-parallel replicas). A collective when
-        there are expert groups: call it on every rank."""
+        data-parallel ranks (each expert once: divided by its expert-data-parallel replicas). Under model
+        parallelism, as DeepSpeed counts its own: a tensor-parallel slice on every rank, a parameter replicated
+        over the tensor-parallel ranks on the first only, and (``sum_model_parallel``) the squares summed over the
+        model-parallel group (every stage's and slice's). A collective when there are expert groups or a
+        model-parallel group: call it on every rank, own groups or none."""
+        from ds_pseudo_real.ds_state import splits_over_tensor_parallel
+
         self.settle()
         squares = {False: torch.zeros((), dtype=torch.float32), True: torch.zeros((), dtype=torch.float32)}
         for p in (p for p in self._group_of if p in self.received):  # in model order: the sum is reproducible
+            if self.tensor_parallel_rank != 0 and not splits_over_tensor_parallel(p):
+                continue  # replicated over the tensor-parallel ranks: counted on the first
             group = self._group_of[p]
             square = torch.linalg.vector_norm(self.host.grad_buffers[p]).pow(2)
             if group.get("moe") and dist.is_initialized():
@@ -177,7 +188,13 @@ class OwnGradients:
             experts = squares[True].to(self.host.device)
             dist.all_reduce(experts, group=self.reduce_group)
             squares[True] = experts.to(HOST)
-        return (squares[False] + squares[True]).sqrt()
+        total = squares[False] + squares[True]
+        if sum_model_parallel and self.model_parallel_group is not None \
+                and dist.get_world_size(self.model_parallel_group) > 1:
+            total = total.to(self.host.device)
+            dist.all_reduce(total, group=self.model_parallel_group)
+            total = total.to(HOST)
+        return total.sqrt()
 
     def drop(self) -> None:
         """Forget this step's gradients, on the device and in the host buffers (after a step, or a skipped one)."""

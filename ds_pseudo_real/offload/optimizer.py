@@ -192,9 +192,10 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
             combined = clip * scale if clip > 1.0 else scale
         return 1.0 / combined
 
-    def own_grad_norm(self) -> torch.Tensor:
-        """L2 norm of the own groups' gradients this step (:meth:`OwnGradients.norm`); a collective with experts."""
-        return self.own_gradients.norm()
+    def own_grad_norm(self, sum_model_parallel: bool = True) -> torch.Tensor:
+        """L2 norm of the own groups' gradients this step (:meth:`OwnGradients.norm`); a collective with experts
+        or model parallelism."""
+        return self.own_gradients.norm(sum_model_parallel)
 
     def _step_own_groups(self) -> None:
         """The own groups' part of ``step()``. Before ``attach_to_engine`` (which also gives this optimizer the

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ds_pseudo_real.device import rank_device
+from ds_pseudo_real.offload.layers import rank_layers
 from ds_pseudo_real.offload.pinned import host_empty
-from ds_pseudo_real.sharing import get_layer_list
 
 
 class Residency(str, enum.Enum):
@@ -157,7 +157,8 @@ class HostParamStore:
         # one entry per layer module using host params, in layer order (a pseudo model's shared set: every member)
         self._entries: List[List[nn.Parameter]] = []
         modules = []
-        for layer in get_layer_list(model, layer_path):
+        # each module once: a PipelineModule's tied module is the layer at several positions, its hooks fire per call
+        for layer in dict.fromkeys(layer for _, layer in rank_layers(model, layer_path)[0]):
             params = [p for p in layer.parameters() if id(p) in wanted]
             if params:
                 self._entries.append(params)

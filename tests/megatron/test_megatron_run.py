@@ -78,6 +78,22 @@ def test_torch_dist_checkpoints_resume_across_the_switch(runs, request):
 
 
 @needs_megatron_lm
+def test_async_save_in_the_pseudo_stage_and_across_the_switch_resumes_exactly(one_rank, tmp_path):
+    """Megatron's ``--async-save`` (torch_dist, its persistent checkpoint worker) on the run of ``one_rank``: every
+    iteration's checkpoint is written in the background while the pseudo model trains, delinks at 3 and trains on,
+    with the synchronous run's losses; relaunched from the pseudo model saved asynchronously at the switch, the run
+    delinks and prints the uninterrupted losses (fp32)."""
+    common = ["--train-iters", "8", "--pseudo-to-real-switch-iter", str(SWITCH), "--async-save",
+              "--use-persistent-ckpt-worker"]
+    run = train(1, *common, "--save", str(tmp_path / "async"), "--save-interval", "1", cwd=tmp_path)
+    assert run.losses == one_rank["full"].losses and run.params == [PSEUDO_PARAMS, REAL_PARAMS]
+    assert sorted(p.name for p in (tmp_path / "async").glob("iter_*")) == [f"iter_{i:07d}" for i in range(1, 9)]
+    resumed, _ = resume_from(tmp_path / "async", SWITCH, 1, *common, "--save-interval", "100", cwd=tmp_path)
+    check_resumed_run(one_rank["full"], resumed, SWITCH + 1, 8)
+    assert resumed.params == [PSEUDO_PARAMS, REAL_PARAMS]
+
+
+@needs_megatron_lm
 def test_pseudo_checkpoint_holds_the_shared_set_once(one_rank):
     """The pseudo model's checkpoint stacks one layer (its 4 layers' shared set), weights and Adam's moments alike;
     the real model's, four."""
@@ -112,7 +128,8 @@ def test_m6_moe_expert_parallel_2_bf16_two_groups(tmp_path):
 def test_m6_refuses_biases_naming_the_flag():
     """Checked at the first model build (test_flag_errors_read_like_megatrons sees that check from the script)."""
     args = Namespace(pseudo_to_real_switch_iter=3, pseudo_to_real_groups=1, num_layers=4, m6_expert_prototypes=2,
-                     num_experts=4, moe_router_topk=2, moe_router_load_balancing_type="none", add_bias_linear=True)
+                     num_experts=4, moe_router_topk=2, moe_router_load_balancing_type="none", add_bias_linear=True,
+                     pseudo_to_real_real_layout=None)
     with pytest.raises(AssertionError, match=re.escape(
             "--m6-expert-prototypes needs --disable-bias-linear (M6's experts carry no bias); got Megatron's "
             "default, biases on")):

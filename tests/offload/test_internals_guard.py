@@ -17,7 +17,6 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 import ds_pseudo_real
 from ds_pseudo_real import ds_state
-from ds_pseudo_real.config import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from delink_matrix import config, fixed_batch, tiny_gpt  # noqa: E402
@@ -136,32 +135,3 @@ def test_copying_moments_an_optimizer_does_not_keep_fails_naming_the_parameter(s
     with pytest.raises(RuntimeError, match="cannot read the Adam moments of [a-z_.0-9]+weight"):
         engine.step()
     assert engine.stage == "pseudo"
-
-
-class OldStyleModelParallel:
-    """The mpu interface DeepSpeed documents (Megatron-DeepSpeed's): no ``tensor`` in the names."""
-
-    def __init__(self, model=1, pipe=1):
-        self.model, self.pipe = model, pipe
-
-    def get_model_parallel_world_size(self):
-        return self.model
-
-    def get_pipe_parallel_world_size(self):  # DeepSpeed's PipelineParallelGrid
-        return self.pipe
-
-    def get_data_parallel_world_size(self):
-        return 1
-
-
-@pytest.mark.parametrize("mpu, named", [
-    (OldStyleModelParallel(model=2), "'model parallel (mpu)': 2"),
-    (OldStyleModelParallel(pipe=2), "'pipeline parallel (mpu grid)': 2"),
-], ids=["model", "pipe"])
-def test_an_old_style_mpu_with_model_parallelism_is_refused_under_granular_offload(mpu, named):
-    cfg = {**config(1, "fp32", "copy"), "granular_offload": {"levels": {"0": "host_optimizer"}},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    refusal = "granular_offload works with data \\(and expert\\) parallelism only"
-    with pytest.raises(ConfigError, match=refusal) as raised:
-        ds_pseudo_real.initialize(model=tiny_gpt(), config=cfg, mpu=mpu)
-    assert named in str(raised.value)

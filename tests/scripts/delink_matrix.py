@@ -55,6 +55,17 @@ def fixed_batch(seed):
     return x, x.roll(-1, 1)
 
 
+def train_until(engine, until, batch_seed):
+    """Step ``engine`` on ``fixed_batch(batch_seed(step))`` until its global step is ``until``; the losses."""
+    losses = []
+    while engine.global_steps < until:
+        loss = engine(*fixed_batch(batch_seed(engine.global_steps)))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def on_device(engine, batch):
     """``batch`` where the engine's model is (DeepSpeed leaves the inputs where they are)."""
     return tuple(t.to(engine.device) for t in batch)

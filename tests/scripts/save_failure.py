@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import ds_pseudo_real
 from ds_pseudo_real import checkpoint as ckpt
-from delink_matrix import config, fixed_batch, tiny_gpt
+from delink_matrix import config, tiny_gpt, train_until
 
 folder = sys.argv[1]
 deepspeed.init_distributed()
@@ -18,13 +18,7 @@ rank = dist.get_rank()
 
 
 def train(engine, until):
-    losses = []
-    while engine.global_steps < until:
-        loss = engine(*fixed_batch(10 + rank + 2 * engine.global_steps))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return train_until(engine, until, lambda step: 10 + rank + 2 * step)  # each rank its own batches
 
 
 engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(2, "fp32", "copy", switch=100))

@@ -32,7 +32,10 @@ start_munge() {
 
 pid_alive() {
     # The daemon whose pid file is $1 runs (by pid file, not by name: two clusters run the same daemons); a zombie
-    # (killed, not yet reaped by init) does not.
-    [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null &&
-        ! grep -q '^State:.*zombie' "/proc/$(cat "$1")/status" 2>/dev/null
+    # (killed, not yet reaped by init) does not, nor another program holding the pid of a stale file (after a
+    # reboot, /run/slurmctld.pid can name any live process): the process must be a slurm daemon.
+    local pid
+    pid=$(cat "$1" 2>/dev/null) && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null &&
+        ! grep -q '^State:.*zombie' "/proc/$pid/status" 2>/dev/null &&
+        grep -Eq '^(slurmctld|slurmd)$' "/proc/$pid/comm" 2>/dev/null
 }
