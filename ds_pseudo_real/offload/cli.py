@@ -11,11 +11,11 @@ import argparse
 import sys
 from typing import List, Optional
 
-from ds_pseudo_real.config import ConfigError, load_ds_config
+from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.models.sections import M6Section
 from ds_pseudo_real.offload.config import ACCELERATORS, ModelSize, planned_placement, training_setup
 from ds_pseudo_real.offload.planner import PlanError, describe_plan, format_bytes, parse_bytes, place, uniform_groups
-from ds_pseudo_real.run_config import RunConfig
+from ds_pseudo_real.run_config import RunConfig, load_ds_config
 from ds_pseudo_real.training_facts import BATCH_KEYS
 
 
