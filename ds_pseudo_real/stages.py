@@ -1,7 +1,8 @@
 """Each stage's model and DeepSpeed engine, and the delink that turns one stage's engine into the next one's.
 
 Owns: building a stage's model from the meta skeleton where it trains, its engine, releasing it, and the delink's
-phases and report. Must not touch checkpoints, callbacks or the training loop; DeepSpeed internals stay in ``ds_state``.
+phases and report (what it carries from one engine to the next: ``carry``). Must not touch checkpoints, callbacks
+or the training loop; DeepSpeed internals stay in ``ds_state``.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import ds_state
 from .callbacks import PSEUDO, REAL, TrainingState
+from .carry import EngineProgress, carry_moments
 from .config import ConfigError, OptimizerStatePolicy, PseudoToRealConfig
 from .device import rank_device
 from .rank0 import log_rank0
@@ -36,7 +38,6 @@ from .sharing import (
     truncate_layers,
 )
 from .training_facts import TrainingFacts
-from .transition import member_moments
 
 if TYPE_CHECKING:
     from .offload.config import GranularOffloadConfig
@@ -207,20 +208,6 @@ def refuse_model_parallelism(training: TrainingFacts) -> None:
             f"pipeline parallelism; this run has {used}. Remove the granular_offload section, or split the layers "
             f"in the model (Megatron-style, with an mpu) instead of AutoTP, and run without sequence parallelism"
         )
-
-
-def _copy_lrs(old: List[float], optimizer) -> None:
-    groups = optimizer.param_groups
-    if len(old) == len(groups):
-        values = old
-    elif len(set(old)) == 1:
-        values = old[:1] * len(groups)
-    else:
-        raise RuntimeError(
-            f"cannot carry per-group learning rates across the delink: {len(old)} groups before, {len(groups)} after"
-        )
-    for group, lr in zip(groups, values):
-        group["lr"] = lr
 
 
 class StageBuilder:
@@ -450,10 +437,7 @@ class StageBuilder:
         weights, moments = self._by_mapped_name(weights), self._by_mapped_name(moments)
         gathered = sum(t.numel() * t.element_size() for t in [
             *weights.values(), *(t for per in moments.values() for t in per.values())])
-        counters = ds_state.step_counters(old_engine)
-        lrs = [g["lr"] for g in old_engine.optimizer.param_groups]
-        scheduler_state = old_engine.lr_scheduler.state_dict() if old_engine.lr_scheduler is not None else None
-        steps = {k: getattr(old_engine, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
+        progress = EngineProgress.of(old_engine)
         del old_engine
         lap("gather")
         self.release()
@@ -476,12 +460,12 @@ class StageBuilder:
         return_freed_host_memory()  # the per-parameter tensors DeepSpeed flattened or partitioned, freed in the build
         state.transitions_done += 1
         engine = self.engine
-        for key, value in steps.items():
-            setattr(engine, key, value)
-        if scheduler_state is not None and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(scheduler_state)
-        _copy_lrs(lrs, engine.optimizer)
-        carried = self._carry_moments(moments, counters, old, new) if moments else 0
+        progress.give_to(engine)
+
+        def source_of(name: str) -> Tuple[str, int]:  # the old model's parameter a new one starts from
+            return source_parameter(self._mapped_name(name), path, old, new)
+
+        carried = carry_moments(engine, moments, progress.counters, self._policy, source_of) if moments else 0
         lap("carry")  # steps, LR schedule and the optimizer state
         state.switch_step = engine.global_steps
         report = {
@@ -508,32 +492,6 @@ class StageBuilder:
             report["offload_plan_after"] = self.offload_plan
         log_transition(report)
         return report
-
-    def _carry_moments(self, moments: Dict[str, Dict[str, torch.Tensor]], counters, old: Tuple[int, int],
-                       new: Tuple[int, int]) -> int:
-        """Write each gathered shared parameter's Adam moments, as the policy makes them, into its copies in the new
-        engine (one shared parameter at a time; emptying ``moments``), zero what has no source, and set the step
-        counters; returns the number of parameters given moments."""
-        engine = self.engine
-        carried = 0
-        unwritten = ds_state.seed_optimizer_state(engine, counters)
-        copies: Dict[str, Tuple[int, List[nn.Parameter]]] = {}  # by shared parameter: (members, its copies)
-        for name, param in engine.module.named_parameters():
-            source, members = source_parameter(self._mapped_name(name), self._name_path, old, new)
-            if source in moments:
-                copies.setdefault(source, (members, []))[1].append(param)
-        swapped = []  # the copies in sub-groups ZeRO-3 swaps to NVMe, written a sub-group at a time after
-        for source, (members, params) in copies.items():  # one shared parameter's moments at a time
-            start_moments = member_moments(self._policy, moments.pop(source), members)
-            resident, elsewhere = ds_state.held_in_memory(engine, params)
-            ds_state.set_full_moments_of_copies(engine, resident, start_moments, unwritten)
-            if elsewhere:
-                swapped.append((elsewhere, start_moments))
-            carried += len(params)
-        unwritten.zero_rest()  # padding, and parameters whose source had no moments
-        ds_state.write_swapped_moments(engine, counters, swapped)
-        ds_state.replay_cpu_adam_steps(engine)
-        return carried
 
 
 def log_transition(report: Dict[str, Any]) -> None:
