@@ -98,6 +98,7 @@ def worker(model: str, zero: int, policy: str, size: str, dtype: str = "fp32", g
 
     import ds_pseudo_real
     from ds_pseudo_real.models.build import build_model, model_spec, parameter_groups
+    from ds_pseudo_real.run_config import RunConfig
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -110,7 +111,7 @@ def worker(model: str, zero: int, policy: str, size: str, dtype: str = "fp32", g
               **section}
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
-    spec = model_spec(config, {}, vocab_size=256, world_size=world, groups=1)
+    spec = model_spec(RunConfig.load(config, world_size=world), {}, vocab_size=256)
     if granular:  # every layer at this level, in both stages
         config["granular_offload"] = {"levels": [granular] * spec.num_layers}
     module = build_model(spec, seed=0)

@@ -42,6 +42,7 @@ def plan_row(arch, stage: str, expert_parallel: int, world: int, dtype: str, zer
         dense_parameters_per_layer, embedding_parameters, expert_parameters_per_layer,
     )
     from ds_pseudo_real.offload.config import GranularOffloadConfig, training_setup
+    from ds_pseudo_real.training_facts import TrainingFacts
     from ds_pseudo_real.offload.planner import (
         PlacementLevel, PlanError, estimate_activation_bytes, place, plan_placement, uniform_groups,
     )
@@ -55,7 +56,7 @@ def plan_row(arch, stage: str, expert_parallel: int, world: int, dtype: str, zer
     # on CUDA with DeepSpeed's defaults: its reduce bucket, the offload's stream pools, pinned host buffers
     ds_config = {"zero_optimization": {"stage": zero}, "bf16": {"enabled": dtype == "bf16"}}
     section = GranularOffloadConfig(device_memory=budget, activation_bytes=activation, reserved=reserved)
-    setup = training_setup(ds_config, section, dp, arch.num_layers, accelerator="cuda")
+    setup = training_setup(section, TrainingFacts.from_deepspeed(ds_config, dp), arch.num_layers, accelerator="cuda")
     resident = place(groups, {}, setup, budget)
     row = {
         "stage": stage, "expert_parallel": expert_parallel, "data_parallel": dp, "dtype": dtype, "zero_stage": zero,

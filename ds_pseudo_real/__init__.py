@@ -6,18 +6,21 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Union
 
 from .callbacks import TrainingCallback, TrainingControl, TrainingState
-from .config import ConfigError, PseudoToRealConfig, split_config
+from .config import ConfigError, PseudoToRealConfig
 from .sharing import apply_sharing, delink_layers, parameter_count
+
+if TYPE_CHECKING:
+    from .run_config import RunConfig
 
 __version__ = "0.1.0"
 
 
 def initialize(
     model,
-    config: Union[str, os.PathLike, Mapping[str, Any], None] = None,
+    config: Union[str, os.PathLike, Mapping[str, Any], RunConfig, None] = None,
     *,
     args=None,
     optimizer: Optional[Callable] = None,
@@ -35,19 +38,21 @@ def initialize(
     the optimizer and scheduler returned are views of the controller's current ones (``engine.optimizer``), valid
     on both sides of the switch. ``optimizer``,
     ``model_parameters`` and ``lr_scheduler`` must be callables so they can be rebuilt for the real model.
-    ``config`` may also come from ``args.deepspeed_config`` (the launcher's ``--deepspeed_config``).
+    ``config`` (a path, a dict or a :class:`RunConfig` already read) may also come from ``args.deepspeed_config``
+    (the launcher's ``--deepspeed_config``).
     """
     from .controller import PseudoToRealController
+    from .pipeline import model_parallel_unit
+    from .run_config import RunConfig
 
     if config is None:
         config = getattr(args, "deepspeed_config", None)
         if config is None:
             raise ConfigError("no DeepSpeed config: pass config=... or args with --deepspeed_config")
-    ds_config, ptr_config = split_config(config)
+    config = RunConfig.load(config, mpu=model_parallel_unit(model, mpu))
     engine = PseudoToRealController(
         model,
-        ds_config,
-        ptr_config,
+        config,
         optimizer=optimizer,
         model_parameters=model_parameters,
         lr_scheduler=lr_scheduler,
@@ -63,10 +68,21 @@ def initialize(
     return engine, optimizer, engine.training_dataloader, scheduler
 
 
+def __getattr__(name: str):
+    # RunConfig reads the granular_offload section, whose package imports DeepSpeed: imported when first asked for,
+    # so that ``import ds_pseudo_real`` stays light
+    if name == "RunConfig":
+        from .run_config import RunConfig
+
+        return RunConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "initialize",
     "ConfigError",
     "PseudoToRealConfig",
+    "RunConfig",
     "TrainingCallback",
     "TrainingControl",
     "TrainingState",

@@ -1,39 +1,19 @@
-"""The ``pseudo_to_real`` section of a DeepSpeed JSON config, validated like DeepSpeed's own sections.
+"""The ``pseudo_to_real`` and ``checkpoint`` sections of a DeepSpeed JSON config, validated like DeepSpeed's own.
 
-Owns: the pydantic models, loading the section from a dict or JSON file, and turning validation failures into
-one error that names the key, the value received and what is accepted. Must not build models or engines.
+Owns: their pydantic models and the base every section model has, and turning validation failures into one error
+that names the key, the value received and what is accepted. Must not read files nor build models or engines:
+``run_config`` reads the JSON and puts the sections together.
 """
 from __future__ import annotations
 
-import difflib
-import json
-import os
 from enum import Enum
-from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SECTION = "pseudo_to_real"
 CHECKPOINT_SECTION = "checkpoint"  # DeepSpeed's own section; the plugin adds the keys of CheckpointOptions
 
-# Sections of the plugin: read by ds_pseudo_real.initialize, or by the main job (the model and the data it trains).
-PLUGIN_SECTIONS = ("pseudo_to_real", "granular_offload")
-MAIN_JOB_SECTIONS = ("gpt", "m6", "hf", "data")
-# The top-level keys DeepSpeed 0.19.8 reads (its config parsers, its monitors and its documented sections). DeepSpeed
-# ignores any other key without a word, so a misspelled section would silently do nothing: the plugin refuses it.
-DEEPSPEED_KEYS = frozenset("""
-    activation_checkpointing aio amp autotuning bf16 bfloat16 checkpoint comet comms_logger communication_data_type
-    compile compression_training csv_monitor curriculum_learning data_efficiency data_types dataloader_drop_last
-    datastates_ckpt disable_allgather disable_python_gc dump_state eigenvalue elasticity expert_parallel
-    flops_profiler fp16 gradient_accumulation_dtype gradient_accumulation_steps gradient_allreduce_op
-    gradient_clipping gradient_predivide_factor graph_harvesting hybrid_engine log_level managed_gradient_accumulation
-    memory_breakdown monitor_config nebula optimizer pipeline pld prescale_gradients progressive_layer_drop
-    quantize_training scheduler seq_parallel_communication_data_type sequence_parallel_size sparse_attention
-    sparse_gradients steps_per_print tensor_parallel tensorboard timers torch_autocast train_batch_size
-    train_micro_batch_size_per_gpu use_data_before_expert_parallelism use_node_local_storage vocabulary_size
-    wall_clock_breakdown wandb weight_quantization zenflow zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
-    zero_optimization
-""".split())
 
 
 class ConfigError(ValueError):
@@ -44,6 +24,11 @@ class SectionModel(BaseModel):
     """Base of every plugin section: unknown keys are refused, values are checked on assignment too."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=True)
+
+    @classmethod
+    def unknown_key_message(cls) -> str:
+        """What an error calls a key this section does not have (a section whose keys depend on its type says so)."""
+        return "unknown key"
 
 
 class OptimizerStatePolicy(str, Enum):
@@ -223,14 +208,15 @@ def split_checkpoint_options(ds_config: Mapping[str, Any]) -> Tuple[Dict[str, An
     return rest, options
 
 
-def format_validation_error(section: str, error: ValidationError) -> str:
-    """One line per problem: ``section.key: message (got value)``."""
+def format_validation_error(section: str, error: ValidationError, unknown_key: str = "unknown key") -> str:
+    """One line per problem: ``section.key: message (got value)``; ``unknown_key`` names a key the section itself
+    does not have."""
     lines = []
     for item in error.errors():
         where = ".".join([section] + [str(p) for p in item["loc"]])
         message = item["msg"]
         if item["type"] == "extra_forbidden":
-            message = "unknown key"
+            message = unknown_key if len(item["loc"]) == 1 else "unknown key"
         value = item.get("input")
         lines.append(f"{where}: {message} (got {value!r})")
     return "invalid config:\n  " + "\n  ".join(lines)
@@ -245,36 +231,15 @@ def validate_section(model: type, section: str, raw: Any) -> Any:
     try:
         return model.model_validate(dict(raw))
     except ValidationError as error:
-        raise ConfigError(format_validation_error(section, error)) from None
+        raise ConfigError(format_validation_error(section, error, model.unknown_key_message())) from None
 
 
-def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> Dict[str, Any]:
-    """Read a DeepSpeed config given as a path or a dict into a fresh dict."""
-    if isinstance(config, Mapping):
-        return json.loads(json.dumps(config))
-    path = os.fspath(config)
-    if not os.path.isfile(path):
-        raise ConfigError(f"DeepSpeed config file not found: {path!r}")
-    with open(path) as handle:
-        try:
-            return json.load(handle)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"DeepSpeed config {path!r} is not valid JSON: {error}") from None
-
-
-def check_top_level_keys(ds_config: Mapping[str, Any]) -> None:
-    """Refuse a top-level key that neither DeepSpeed nor the plugin knows, naming the closest known one."""
-    known = DEEPSPEED_KEYS | set(PLUGIN_SECTIONS) | set(MAIN_JOB_SECTIONS)
-    lines = []
-    for key in ds_config:
-        if key in known:
-            continue
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-        sections = sorted(PLUGIN_SECTIONS + MAIN_JOB_SECTIONS)
-        hint = f"did you mean {close[0]!r}?" if close else f"the plugin's sections are {sections}"
-        lines.append(f"{key}: unknown top-level key, known to neither DeepSpeed nor ds_pseudo_real; {hint}")
-    if lines:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+def optional_section(model: type, section: str, ds_config: Mapping[str, Any]) -> Any:
+    """The validated section, or None when the config has none or its ``enabled`` is false."""
+    if section not in ds_config:
+        return None
+    validated = validate_section(model, section, ds_config[section])
+    return validated if validated.enabled else None
 
 
 def parse_pseudo_to_real(ds_config: Mapping[str, Any]) -> PseudoToRealConfig:
@@ -282,10 +247,3 @@ def parse_pseudo_to_real(ds_config: Mapping[str, Any]) -> PseudoToRealConfig:
     if SECTION not in ds_config:
         return PseudoToRealConfig(enabled=False)
     return validate_section(PseudoToRealConfig, SECTION, ds_config[SECTION])
-
-
-def split_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> Tuple[Dict[str, Any], PseudoToRealConfig]:
-    """The DeepSpeed config as a dict (every top-level key known) and the validated ``pseudo_to_real`` section."""
-    ds_config = load_ds_config(config)
-    check_top_level_keys(ds_config)
-    return ds_config, parse_pseudo_to_real(ds_config)

@@ -12,17 +12,11 @@ from torch import nn
 
 from .callbacks import PSEUDO, REAL, CallbackList, RunState, TrainingCallback, TrainingControl, TrainingState
 from .checkpoint_io import CheckpointIO
-from .config import (
-    MAIN_JOB_SECTIONS,
-    PLUGIN_SECTIONS,
-    SECTION,
-    PlateauMetric,
-    PseudoToRealConfig,
-    split_checkpoint_options,
-)
+from .config import SECTION, PlateauMetric
 from .device import use_rank_device
 from .rank0 import log_rank0
 from .pipeline import stage_builder_class
+from .run_config import RunConfig
 from .transition import StageTransitionCallback, lr_factor
 
 
@@ -55,14 +49,15 @@ class PseudoToRealController:
     """Use it like a DeepSpeed engine: ``loss = engine(batch); engine.backward(loss); engine.step()``.
 
     Any attribute not defined here is read from the current DeepSpeed engine, which is replaced at the delink:
-    hold on to the controller, not to ``controller.engine``, ``.optimizer`` or ``.lr_scheduler``.
+    hold on to the controller, not to ``controller.engine``, ``.optimizer`` or ``.lr_scheduler``. ``run_config`` is
+    the run's :class:`~ds_pseudo_real.run_config.RunConfig`; ``config`` its ``pseudo_to_real`` section, ``ds_config``
+    what each ``deepspeed.initialize`` gets and ``checkpoint_options`` the plugin's ``checkpoint`` keys.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        ds_config: Dict[str, Any],
-        ptr_config: PseudoToRealConfig,
+        config: RunConfig,
         *,
         optimizer: Optional[Callable] = None,
         model_parameters: Optional[Callable[[nn.Module], Iterable]] = None,
@@ -83,22 +78,21 @@ class PseudoToRealController:
                     f"the real model at the delink"
                 )
         use_rank_device()  # before the offload plan's store and streams and the engine are made
-        self.config = ptr_config
-        ds_config, self.checkpoint_options = split_checkpoint_options(ds_config)
-        self.ds_config = {k: v for k, v in ds_config.items() if k not in PLUGIN_SECTIONS + MAIN_JOB_SECTIONS}
-        self.full_ds_config = ds_config
+        self.run_config = config
+        self.config = ptr_config = config.pseudo_to_real
+        self.ds_config, self.checkpoint_options = config.deepspeed, config.checkpoint
         self._triggers = ptr_config.triggers()
         self._pseudo_lr_scale, self._rewarmup_steps = ptr_config.pseudo_lr_scale, ptr_config.rewarmup_steps
         self._track_train_loss = ptr_config.enabled and any(
             t.on_plateau is not None and t.on_plateau.metric == PlateauMetric.TRAINING.value for t in self._triggers)
         builder = stage_builder_class(model)  # a PipelineModule's, or the layer-list models'
-        self._stages = builder(model, ptr_config, self.ds_config, ds_config, optimizer=optimizer,
-                               model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=mpu,
-                               step_hooks=(self._scale_lr, self._unscale_lr))
+        self._stages = builder(model, ptr_config, config.granular_offload, config.training, config.deepspeed,
+                               optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+                               mpu=mpu, step_hooks=(self._scale_lr, self._unscale_lr))
         self.layer_path, self.num_layers = self._stages.layer_path, self._stages.num_layers
         self.stages = self._stages.stages
         self.stage_groups = [groups for _, groups in self.stages]
-        if SECTION not in ds_config:
+        if not config.pseudo_to_real_given:
             log_rank0(f"no '{SECTION}' section in the config: Pseudo-to-Real is off, the real model trains from step 0")
         elif not ptr_config.enabled:
             log_rank0(f"{SECTION}.enabled is false: Pseudo-to-Real is off, the real model trains from step 0")

@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, List, Literal, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
+from pydantic import Field, field_validator, model_validator
+
+from .config import ConfigError, SectionModel, validate_section
 
 
 DEFAULT_MAX_BYTES = 8 << 20
@@ -66,109 +68,118 @@ class ByteCorpus:
 
 
 # ---- the main job's ``data`` section ----
-DATA_TYPES = ("byte_corpus", "indexed")
-DATA_KEYS = {"byte_corpus": ("type", "max_bytes"),
-             "indexed": ("type", "prefix", "blend", "split", "cache_dir", "vocab_size", "eod")}
 DEFAULT_SPLIT = "98,2,0"
 BYTE_VOCAB = 256
 
 
-@dataclass
-class DataOptions:
-    """The ``data`` section: the embedded byte corpus (default) or Megatron indexed datasets (one prefix, or a blend
-    with weights, or without weights for shares proportional to size)."""
+class DataSection(SectionModel):
+    """The ``data`` section; which keys it takes depends on its ``type``."""
 
-    type: str = "byte_corpus"
-    max_bytes: Optional[int] = None
-    prefixes: List[str] = field(default_factory=list)
-    weights: Optional[List[float]] = None
-    split: str = DEFAULT_SPLIT
-    cache_dir: Optional[str] = None
-    vocab_size: Optional[int] = None
-    eod: Optional[int] = None
+    @staticmethod
+    def model_for(raw: Any) -> type:
+        """The model of the section's ``type``, which defaults to ``indexed`` when it names a prefix or a blend
+        (``validate_section`` refuses a section that is no object)."""
+        if not isinstance(raw, Mapping):
+            return DataSection
+        kind = raw.get("type", "indexed" if ("prefix" in raw or "blend" in raw) else "byte_corpus")
+        if kind not in DATA_SECTIONS:
+            raise ConfigError(f"invalid config:\n  data.type: got {kind!r}; expected one of {list(DATA_SECTIONS)}")
+        return DATA_SECTIONS[kind]
+
+    @classmethod
+    def unknown_key_message(cls) -> str:
+        return f"unknown key for type {cls.model_fields['type'].default!r}; accepted: {list(cls.model_fields)}"
+
+
+class ByteCorpusData(DataSection):
+    """The embedded byte corpus (the default)."""
+
+    type: Literal["byte_corpus"] = "byte_corpus"
+    max_bytes: Optional[int] = Field(None, ge=1, strict=True)
 
     def describe(self) -> str:
-        if self.type == "byte_corpus":
-            return "the embedded byte corpus (the Python standard library's sources)"
+        return "the embedded byte corpus (the Python standard library's sources)"
+
+
+class IndexedData(DataSection):
+    """Megatron indexed datasets: one ``prefix``, or a ``blend`` with weights, or without weights for shares
+    proportional to size."""
+
+    type: Literal["indexed"] = "indexed"
+    prefix: Optional[str] = Field(None, min_length=1)
+    blend: Optional[List[Any]] = None
+    split: str = DEFAULT_SPLIT
+    cache_dir: Optional[str] = None
+    vocab_size: Optional[int] = Field(None, ge=1, strict=True)
+    eod: Optional[int] = Field(None, ge=0, strict=True)
+
+    @field_validator("blend")
+    @classmethod
+    def _prefixes_or_pairs(cls, blend: Optional[List[Any]]) -> Optional[List[Any]]:
+        if blend is None:
+            return None
+        if not blend:
+            raise ValueError("expected [weight1, prefix1, weight2, prefix2, ...] or [prefix1, ...]")
+        if all(isinstance(item, str) for item in blend):
+            return blend
+        if len(blend) % 2 or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0
+                                     for w in blend[0::2]) or not all(isinstance(p, str) for p in blend[1::2]):
+            raise ValueError("expected pairs of a positive weight and a prefix ([0.7, 'a', 0.3, 'b']) or prefixes only")
+        return blend
+
+    @field_validator("split")
+    @classmethod
+    def _shares(cls, split: str) -> str:
+        try:
+            shares = [float(part) for part in split.replace("/", ",").split(",")]
+        except ValueError:
+            shares = []
+        if not 1 <= len(shares) <= 3 or any(s < 0 for s in shares) or sum(shares) <= 0:
+            raise ValueError(f"expected up to three non-negative shares of train, validation, test, e.g. "
+                             f"{DEFAULT_SPLIT!r}")
+        if len(shares) < 2 or shares[1] == 0:
+            raise ValueError(f"the validation share is 0, and the main job evaluates on the held-out validation "
+                             f"split (e.g. {DEFAULT_SPLIT!r})")
+        return split
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "IndexedData":
+        if (self.prefix is None) == (self.blend is None):
+            raise ValueError("type 'indexed' needs either 'prefix' (one dataset) or 'blend' ([weight1, prefix1, "
+                             "weight2, prefix2, ...]), not both")
+        return self
+
+    @property
+    def prefixes(self) -> List[str]:
+        if self.prefix is not None:
+            return [self.prefix]
+        return [item for item in self.blend if isinstance(item, str)]
+
+    @property
+    def weights(self) -> Optional[List[float]]:
+        """The blend's weights; None for one prefix or prefixes only (shares proportional to size)."""
+        if self.blend is None or all(isinstance(item, str) for item in self.blend):
+            return None
+        return [float(w) for w in self.blend[0::2]]
+
+    def describe(self) -> str:
         blend = self.prefixes if self.weights is None else [f"{w:g} x {p}" for w, p in zip(self.weights, self.prefixes)]
         return f"indexed {', '.join(blend)}, split {self.split}"
 
 
-def parse_data_section(ds_config: Mapping[str, Any]) -> DataOptions:
-    """Validate ``data``; every problem is named by its key, all in one ``ConfigError``."""
-    from .config import ConfigError
+DATA_SECTIONS = {section.model_fields["type"].default: section for section in (ByteCorpusData, IndexedData)}
 
+
+def parse_data_section(ds_config: Mapping[str, Any]) -> DataSection:
+    """The validated ``data`` section (the byte corpus when absent)."""
     section = ds_config.get("data", {})
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"invalid config:\n  data: expected an object, got {section!r}")
-    kind = section.get("type", "indexed" if ("prefix" in section or "blend" in section) else "byte_corpus")
-    if kind not in DATA_TYPES:
-        raise ConfigError(f"invalid config:\n  data.type: got {kind!r}; expected one of {list(DATA_TYPES)}")
-    errors = [f"data.{key}: unknown key for type {kind!r}; accepted: {list(DATA_KEYS[kind])}"
-              for key in section if key not in DATA_KEYS[kind]]
-    options = DataOptions(type=kind)
-    for key in ("max_bytes", "vocab_size"):
-        value = section.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            errors.append(f"data.{key}: got {value!r}; expected a positive integer")
-        else:
-            setattr(options, key, value)
-    if kind == "indexed":
-        errors += _parse_indexed(section, options)
-    if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    return options
+    return validate_section(DataSection.model_for(section), "data", section)
 
 
-def _parse_indexed(section: Mapping[str, Any], options: DataOptions) -> List[str]:
-    errors = []
-    if ("prefix" in section) == ("blend" in section):
-        return ["data: type 'indexed' needs either 'prefix' (one dataset) or 'blend' ([weight1, prefix1, weight2, "
-                "prefix2, ...]), not both"]
-    if "prefix" in section:
-        if not isinstance(section["prefix"], str) or not section["prefix"]:
-            return [f"data.prefix: got {section['prefix']!r}; expected the path prefix of PREFIX.bin/PREFIX.idx"]
-        options.prefixes = [section["prefix"]]
-    else:
-        blend = section["blend"]
-        if not isinstance(blend, list) or not blend:
-            return [f"data.blend: got {blend!r}; expected [weight1, prefix1, weight2, prefix2, ...] or [prefix1, ...]"]
-        if all(isinstance(item, str) for item in blend):
-            options.prefixes = list(blend)
-        elif len(blend) % 2 == 0 and all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0
-                                         for w in blend[0::2]) and all(isinstance(p, str) for p in blend[1::2]):
-            options.weights, options.prefixes = [float(w) for w in blend[0::2]], list(blend[1::2])
-        else:
-            return [f"data.blend: got {blend!r}; expected pairs of a positive weight and a prefix "
-                    "([0.7, 'a', 0.3, 'b']) or prefixes only"]
-    split = section.get("split", DEFAULT_SPLIT)
-    parts = str(split).replace("/", ",").split(",")
-    try:
-        shares = [float(part) for part in parts]
-    except ValueError:
-        shares = []
-    if not 1 <= len(shares) <= 3 or any(s < 0 for s in shares) or sum(shares) <= 0:
-        errors.append(f"data.split: got {split!r}; expected up to three non-negative shares of train, validation, "
-                      f"test, e.g. {DEFAULT_SPLIT!r}")
-    elif len(shares) < 2 or shares[1] == 0:
-        errors.append(f"data.split: got {split!r}; the validation share is 0, and the main job evaluates on the "
-                      f"held-out validation split (e.g. {DEFAULT_SPLIT!r})")
-    options.split = str(split)
-    if "cache_dir" in section and not isinstance(section["cache_dir"], str):
-        errors.append(f"data.cache_dir: got {section['cache_dir']!r}; expected a folder path")
-    options.cache_dir = section.get("cache_dir")
-    eod = section.get("eod")
-    if eod is not None and (not isinstance(eod, int) or isinstance(eod, bool) or eod < 0):
-        errors.append(f"data.eod: got {eod!r}; expected a token id")
-    options.eod = eod
-    return errors
-
-
-def indexed_vocabulary(options: DataOptions) -> Tuple[int, Optional[int]]:
+def indexed_vocabulary(options: IndexedData) -> Tuple[int, Optional[int]]:
     """The vocabulary size and end-of-document id of the indexed datasets, from each prefix's ``PREFIX.json``
     (written by ``ds-pseudo-real preprocess``) or the section's ``vocab_size``/``eod``; checks that every file is
     there and that the blend's datasets agree."""
-    from .config import ConfigError
     from .preprocess import PreprocessError, read_metadata
 
     errors, found = [], []
@@ -210,7 +221,7 @@ def indexed_vocabulary(options: DataOptions) -> Tuple[int, Optional[int]]:
     return options.vocab_size, options.eod
 
 
-def build_corpus(options: DataOptions, *, seq_len: int, seed: int, train_samples: int, val_samples: int,
+def build_corpus(options: DataSection, *, seq_len: int, seed: int, train_samples: int, val_samples: int,
                  world_size: int, cache_dir: Path, vocab_size: int, eod: Optional[int],
                  max_bytes: Optional[int] = None):
     """The corpus the main job reads; both kinds answer ``batch(split, batch_size, seq_len, seed, step, rank)``.

@@ -177,10 +177,6 @@ class PipelineStageBuilder(StageBuilder):
     def _by_model_name(self, values: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         return ByModelName(values, self.engine.module, self._mapped_name)
 
-    def _data_parallel_size(self) -> int:
-        """The pipeline grid's data-parallel size (the engine's mpu), which granular offload plans for."""
-        return self._template.mpu().get_data_parallel_world_size()
-
     def _build_model(self, depth: int, groups: int, weights) -> nn.Module:
         specs = stage_specs(self._specs, self._indices, groups, self._attributes)
         model = ds_pipeline.rebuild(self._template, specs, rank_device())
@@ -205,5 +201,13 @@ def stage_builder_class(model: nn.Module) -> type:
     return PipelineStageBuilder if ds_state.is_pipeline_module(model) else StageBuilder
 
 
-__all__: Sequence[str] = ["PipelineStageBuilder", "layer_indices", "mapped_name", "stage_specs",
-                          "stage_builder_class"]
+def model_parallel_unit(model: nn.Module, mpu=None):
+    """The process groups the run is laid out on: ``mpu`` as given, else a PipelineModule's grid, which DeepSpeed's
+    engine takes as its mpu (its data-parallel size is the one granular offload plans for)."""
+    if mpu is None and ds_state.is_pipeline_module(model):
+        return model.mpu()
+    return mpu
+
+
+__all__: Sequence[str] = ["PipelineStageBuilder", "layer_indices", "mapped_name", "model_parallel_unit",
+                          "stage_specs", "stage_builder_class"]

@@ -1,17 +1,17 @@
 """Each stage's model and DeepSpeed engine, and the delink that turns one stage's engine into the next one's.
 
 Owns: building a stage's model from the meta skeleton where it trains, its engine, releasing it, and the delink's
-phases and report. Must not touch checkpoints, callbacks or the training loop; DeepSpeed internals stay in ``ds_state``.
+phases and report (what it carries from one engine to the next: ``carry``). Must not touch checkpoints, callbacks
+or the training loop; DeepSpeed internals stay in ``ds_state``.
 """
 from __future__ import annotations
 
 import ctypes
 import gc
-import os
 import sys
 import time
 import zlib
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import deepspeed
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import ds_state
 from .callbacks import PSEUDO, REAL, TrainingState
+from .carry import EngineProgress, carry_moments
 from .config import ConfigError, OptimizerStatePolicy, PseudoToRealConfig
 from .device import rank_device
 from .rank0 import log_rank0
@@ -36,7 +37,10 @@ from .sharing import (
     source_parameter,
     truncate_layers,
 )
-from .transition import member_moments
+from .training_facts import TrainingFacts
+
+if TYPE_CHECKING:
+    from .offload.config import GranularOffloadConfig
 
 RETIRED_MODULE = ("this module was the pseudo model, which the delink replaced by the real one; train, evaluate and "
                   "save through the engine ds_pseudo_real.initialize returned, and read the model as engine.module")
@@ -47,13 +51,6 @@ RETIRED_MODULE = ("this module was the pseudo model, which the delink replaced b
 # enough ranks). The gather moves them off the device a parameter at a time, as DeepSpeed hands each over, and the
 # build reads them back a piece at a time (``fill_copies``); the host holds them, as it does when the job offloads.
 GATHERED_ON = torch.device("cpu")
-
-
-def working_dtype(ds_config: Dict[str, Any]) -> torch.dtype:
-    """The dtype DeepSpeed trains the model's parameters in: bf16 or fp16 when enabled, else fp32."""
-    if (ds_config.get("bf16") or {}).get("enabled"):
-        return torch.bfloat16
-    return torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32
 
 
 def parameter_numel(model: nn.Module) -> int:
@@ -194,15 +191,15 @@ def return_freed_host_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-def refuse_model_parallelism(ds_config: Mapping[str, Any]) -> None:
+def refuse_model_parallelism(training: TrainingFacts) -> None:
     """Granular offload plans the layers and slices a rank holds when it is given the model, and reduces its own
     groups over DeepSpeed's data-parallel group (the mpu's under tensor or pipeline parallelism). Two layouts break
     that and are refused: DeepSpeed's AutoTP splits the layers inside ``deepspeed.initialize``, after the plan and
     the optimizer's groups were made from the whole ones; sequence parallelism (Ulysses) averages gradients over
     the sequence-data-parallel group, which the own groups' reduction does not use."""
     sizes = {
-        "tensor_parallel.autotp_size": (ds_config.get("tensor_parallel") or {}).get("autotp_size", 1),
-        "sequence_parallel_size": ds_config.get("sequence_parallel_size", 1),
+        "tensor_parallel.autotp_size": training.tensor_parallel_size,
+        "sequence_parallel_size": training.sequence_parallel_size,
     }
     used = {name: size for name, size in sizes.items() if size and size > 1}
     if used:
@@ -213,32 +210,21 @@ def refuse_model_parallelism(ds_config: Mapping[str, Any]) -> None:
         )
 
 
-def _copy_lrs(old: List[float], optimizer) -> None:
-    groups = optimizer.param_groups
-    if len(old) == len(groups):
-        values = old
-    elif len(set(old)) == 1:
-        values = old[:1] * len(groups)
-    else:
-        raise RuntimeError(
-            f"cannot carry per-group learning rates across the delink: {len(old)} groups before, {len(groups)} after"
-        )
-    for group, lr in zip(groups, values):
-        group["lr"] = lr
-
-
 class StageBuilder:
     """Builds the DeepSpeed engine of every stage of the run, from one meta skeleton of the caller's model, and holds
     the current one (``engine``, ``optimizer``, ``lr_scheduler``, ``offload_plan``; its layout ``depth`` layers in
     ``groups`` parameter sets). What it builds it records in the ``TrainingState`` it is handed (stage, groups, and
     across a delink the transitions done and the switch step).
 
-    ``step_hooks``: the optimizer step's pre and post hooks, registered on every engine's optimizer (the
-    controller's stage LR factor).
+    The run's typed config parts: ``ptr_config`` (the stages), ``granular_offload`` (None without it),
+    ``training`` (DeepSpeed's dtype, ZeRO stage and data-parallel size) and ``ds_config``, what each
+    ``deepspeed.initialize`` gets. ``step_hooks``: the optimizer step's pre and post hooks, registered on every
+    engine's optimizer (the controller's stage LR factor).
     """
 
-    def __init__(self, model: nn.Module, ptr_config: PseudoToRealConfig, ds_config: Dict[str, Any],
-                 full_ds_config: Dict[str, Any], *, optimizer: Optional[Callable],
+    def __init__(self, model: nn.Module, ptr_config: PseudoToRealConfig,
+                 granular_offload: Optional[GranularOffloadConfig], training: TrainingFacts,
+                 ds_config: Dict[str, Any], *, optimizer: Optional[Callable],
                  model_parameters: Optional[Callable[[nn.Module], Any]], lr_scheduler: Optional[Callable], mpu,
                  step_hooks: Tuple[Callable, Callable]):
         self.layer_path = ptr_config.layers
@@ -252,11 +238,11 @@ class StageBuilder:
         self._rewarmup_steps = ptr_config.rewarmup_steps
         # the transition reads and writes each engine's optimizer state; save_checkpoint wraps its checkpoint engine
         self._internals = (*(["pseudo_to_real"] if ptr_config.enabled else []), "save_checkpoint", "monitors")
-        self._ds_config = ds_config  # DeepSpeed's own sections
-        self._full_config = full_ds_config  # with the plugin's, which granular offload reads
-        self._granular = "granular_offload" in full_ds_config
-        self._dtype = working_dtype(ds_config)
-        self._zero3 = (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3
+        self._ds_config = ds_config  # what deepspeed.initialize gets
+        self._granular = granular_offload
+        self._training = training
+        self._dtype = training.torch_dtype
+        self._zero3 = training.zero_stage == 3
         self._optimizer_factory = optimizer
         self._params_fn = model_parameters
         self._scheduler_factory = lr_scheduler
@@ -311,16 +297,14 @@ class StageBuilder:
         params = self._params_fn(model) if self._params_fn else [p for p in model.parameters() if p.requires_grad]
         optimizer = self._optimizer_factory
         ds_config = self._ds_config
-        if self._granular:
-            from .offload import build_offload_optimizer, describe_offload_plan
+        if self._granular is not None:
+            from .offload import describe_offload_plan, offload_optimizer
 
-            refuse_model_parallelism(self._full_config)
-            client, ds_config, plan = build_offload_optimizer(model, self._full_config, self.layer_path,
-                                                              self._data_parallel_size())
-            if client is not None:
-                optimizer, params = client, None
-                self.offload_plan = plan
-                log_rank0(f"granular offload plan for the {stage} model:\n{describe_offload_plan(plan)}")
+            refuse_model_parallelism(self._training)
+            optimizer, ds_config, self.offload_plan = offload_optimizer(model, self._granular, self._training,
+                                                                        ds_config, self.layer_path)
+            params = None
+            log_rank0(f"granular offload plan for the {stage} model:\n{describe_offload_plan(self.offload_plan)}")
         engine, engine_optimizer, loader, scheduler = deepspeed.initialize(
             model=model,
             model_parameters=params,
@@ -388,21 +372,16 @@ class StageBuilder:
         """Host storage for the layers granular offload will plan at ``host_params`` (pinned as it pins them), laid
         out as its ``HostParamStore`` keeps them, so that they are built in their final place; None without the
         section."""
-        if not self._granular:
+        if self._granular is None:
             return None
         from .offload import host_params_placement
         from .offload.params import host_param_views
 
-        ids, pin = host_params_placement(skeleton, self._full_config, self.layer_path, self._data_parallel_size())
+        ids, pin = host_params_placement(skeleton, self._granular, self._training, self.layer_path)
         if not ids:
             return None
         return host_param_views(get_layer_list(skeleton, self.layer_path), ids, lambda p: _cast(p, dtype),
                                 pin and device.type == "cuda")
-
-    def _data_parallel_size(self) -> int:
-        """The ranks ZeRO partitions over (the mpu's data-parallel group, else the world)."""
-        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        return getattr(self._mpu, "get_data_parallel_world_size", lambda: world)()
 
     def _materialize_partitioned(self, skeleton: nn.Module, weights: Optional[Mapping[str, torch.Tensor]],
                                  dtype: torch.dtype, device: Optional[torch.device] = None) -> nn.Module:
@@ -458,10 +437,7 @@ class StageBuilder:
         weights, moments = self._by_mapped_name(weights), self._by_mapped_name(moments)
         gathered = sum(t.numel() * t.element_size() for t in [
             *weights.values(), *(t for per in moments.values() for t in per.values())])
-        counters = ds_state.step_counters(old_engine)
-        lrs = [g["lr"] for g in old_engine.optimizer.param_groups]
-        scheduler_state = old_engine.lr_scheduler.state_dict() if old_engine.lr_scheduler is not None else None
-        steps = {k: getattr(old_engine, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
+        progress = EngineProgress.of(old_engine)
         del old_engine
         lap("gather")
         self.release()
@@ -484,12 +460,12 @@ class StageBuilder:
         return_freed_host_memory()  # the per-parameter tensors DeepSpeed flattened or partitioned, freed in the build
         state.transitions_done += 1
         engine = self.engine
-        for key, value in steps.items():
-            setattr(engine, key, value)
-        if scheduler_state is not None and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(scheduler_state)
-        _copy_lrs(lrs, engine.optimizer)
-        carried = self._carry_moments(moments, counters, old, new) if moments else 0
+        progress.give_to(engine)
+
+        def source_of(name: str) -> Tuple[str, int]:  # the old model's parameter a new one starts from
+            return source_parameter(self._mapped_name(name), path, old, new)
+
+        carried = carry_moments(engine, moments, progress.counters, self._policy, source_of) if moments else 0
         lap("carry")  # steps, LR schedule and the optimizer state
         state.switch_step = engine.global_steps
         report = {
@@ -516,32 +492,6 @@ class StageBuilder:
             report["offload_plan_after"] = self.offload_plan
         log_transition(report)
         return report
-
-    def _carry_moments(self, moments: Dict[str, Dict[str, torch.Tensor]], counters, old: Tuple[int, int],
-                       new: Tuple[int, int]) -> int:
-        """Write each gathered shared parameter's Adam moments, as the policy makes them, into its copies in the new
-        engine (one shared parameter at a time; emptying ``moments``), zero what has no source, and set the step
-        counters; returns the number of parameters given moments."""
-        engine = self.engine
-        carried = 0
-        unwritten = ds_state.seed_optimizer_state(engine, counters)
-        copies: Dict[str, Tuple[int, List[nn.Parameter]]] = {}  # by shared parameter: (members, its copies)
-        for name, param in engine.module.named_parameters():
-            source, members = source_parameter(self._mapped_name(name), self._name_path, old, new)
-            if source in moments:
-                copies.setdefault(source, (members, []))[1].append(param)
-        swapped = []  # the copies in sub-groups ZeRO-3 swaps to NVMe, written a sub-group at a time after
-        for source, (members, params) in copies.items():  # one shared parameter's moments at a time
-            start_moments = member_moments(self._policy, moments.pop(source), members)
-            resident, elsewhere = ds_state.held_in_memory(engine, params)
-            ds_state.set_full_moments_of_copies(engine, resident, start_moments, unwritten)
-            if elsewhere:
-                swapped.append((elsewhere, start_moments))
-            carried += len(params)
-        unwritten.zero_rest()  # padding, and parameters whose source had no moments
-        ds_state.write_swapped_moments(engine, counters, swapped)
-        ds_state.replay_cpu_adam_steps(engine)
-        return carried
 
 
 def log_transition(report: Dict[str, Any]) -> None:

@@ -16,9 +16,9 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import deepspeed
 import torch
@@ -28,16 +28,13 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 import ds_pseudo_real
 from ds_pseudo_real.checkpoint import CheckpointError, claim
-from ds_pseudo_real.config import (
-    SECTION, ConfigError, PseudoToRealConfig, check_top_level_keys, load_ds_config, parse_pseudo_to_real,
-    split_checkpoint_options,
-)
-from ds_pseudo_real.data import BYTE_VOCAB, DataOptions, build_corpus, indexed_vocabulary, parse_data_section
+from ds_pseudo_real.config import ConfigError
+from ds_pseudo_real.data import BYTE_VOCAB, build_corpus, indexed_vocabulary
 from ds_pseudo_real.device import use_collective_timeout, use_rank_device
 from ds_pseudo_real.ds_state import MONITOR_SECTIONS, total_parameter_numel
 from ds_pseudo_real.models.build import ModelSpec, build_model, model_spec, parameter_groups
-from ds_pseudo_real.offload.config import gradient_accumulation_steps, parse_granular_offload
 from ds_pseudo_real.report import MetricsLog, plot_history, read_records
+from ds_pseudo_real.run_config import RunConfig
 from launch.launcher_watch import watch_launcher
 
 DEFAULT_STEPS = 600
@@ -106,22 +103,16 @@ class StopOnSignal:
         self.received = signal.Signals(signum).name
 
 
-def batch_shape(ds_config: dict, world_size: int) -> Tuple[int, int]:
-    """The micro batch per rank and the gradient accumulation steps on ``world_size`` ranks (from any two of
-    train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps, by DeepSpeed 0.19.8's rule as
-    ``offload.config.gradient_accumulation_steps`` states it), and DeepSpeed's own sections validated by its config
-    class. That class takes the world size from the process group, which ``--check`` has not: it is given the micro
-    batch and accumulation steps resolved here, and derives train_batch_size from them."""
+def batch_shape(config: RunConfig) -> Tuple[int, int]:
+    """The micro batch per rank and the gradient accumulation steps (``TrainingFacts``: from any two of
+    train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps, by DeepSpeed 0.19.8's rule), and
+    DeepSpeed's own sections validated by its config class. That class takes the world size from the process group,
+    which ``--check`` has not: it is given the micro batch and accumulation steps resolved here, and derives
+    train_batch_size from them."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    gas = gradient_accumulation_steps(ds_config, world_size)
-    micro = ds_config.get("train_micro_batch_size_per_gpu")
-    if micro is None:
-        if ds_config.get("train_batch_size") is None:
-            raise ConfigError("invalid config:\n  train_micro_batch_size_per_gpu: missing; give it or "
-                              "train_batch_size (DeepSpeed needs one)")
-        micro = ds_config["train_batch_size"] // (gas * world_size)
-    resolved = {key: value for key, value in copy.deepcopy(ds_config).items() if key != "train_batch_size"}
+    micro, gas = config.training.micro_batch, config.training.gradient_accumulation_steps
+    resolved = {key: value for key, value in copy.deepcopy(config.deepspeed).items() if key != "train_batch_size"}
     try:
         DeepSpeedConfig({**resolved, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas})
     except ValidationError as error:  # a DeepSpeed section's model, e.g. DeepSpeedZeroConfig for zero_optimization
@@ -132,7 +123,7 @@ def batch_shape(ds_config: dict, world_size: int) -> Tuple[int, int]:
     return micro, gas
 
 
-def default_steps(ds_config: dict) -> int:
+def default_steps(ds_config: Mapping[str, Any]) -> int:
     params = ds_config.get("scheduler", {}).get("params", {})
     return int(params.get("total_num_steps", DEFAULT_STEPS))
 
@@ -179,17 +170,17 @@ def format_seconds(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-def default_monitor_paths(ds_config: dict, out: Path) -> List[str]:
-    """DeepSpeed's monitors enabled in the config; tensorboard and csv_monitor write under the run folder unless
-    their section gives an ``output_path``."""
-    enabled = []
+def default_monitor_paths(ds_config: Mapping[str, Any], out: Path) -> Tuple[Dict[str, Any], List[str]]:
+    """DeepSpeed's monitors enabled in the config, and the config with tensorboard and csv_monitor writing under the
+    run folder where their section gives no ``output_path``."""
+    ds_config, enabled = copy.deepcopy(dict(ds_config)), []
     for name in MONITOR_SECTIONS:
         section = ds_config.get(name)
         if isinstance(section, dict) and section.get("enabled"):
             enabled.append(name)
             if name in ("tensorboard", "csv_monitor") and not section.get("output_path"):
                 section["output_path"] = str(out / name)
-    return enabled
+    return ds_config, enabled
 
 
 def write_monitor(engine, events: dict, step: int, tokens_per_step: int) -> None:
@@ -255,10 +246,8 @@ def single_process_defaults() -> None:
 class Job:
     """What the job will run, read from the config and the flags, every part validated."""
 
-    ds_config: dict
-    ptr: PseudoToRealConfig
+    config: RunConfig
     steps: int
-    data: DataOptions
     vocab: int
     eod: Optional[int]
     spec: ModelSpec
@@ -266,30 +255,26 @@ class Job:
     gas: int
 
     def describe(self, world: int) -> str:
-        switch = "Pseudo-to-Real off" if not self.ptr.enabled else \
-            f"stages (layers, parameter groups) {self.ptr.stages(self.spec.num_layers)}"
-        return (f"{self.spec.describe()}; data: {self.data.describe()}; {self.steps} steps of {self.micro} x {self.gas} "
-                f"x {world} sequences; {switch}")
+        ptr = self.config.pseudo_to_real
+        switch = "Pseudo-to-Real off" if not ptr.enabled else \
+            f"stages (layers, parameter groups) {ptr.stages(self.spec.num_layers)}"
+        return (f"{self.spec.describe()}; data: {self.config.data.describe()}; {self.steps} steps of {self.micro} x "
+                f"{self.gas} x {world} sequences; {switch}")
 
 
 def read_job(args: argparse.Namespace, world: int) -> Job:
     """Everything the job checks before it builds anything, for ``world`` ranks: the sections of the config (the
     plugin's, the main job's and DeepSpeed's own), the data files and their vocabulary, the model and the batch.
     Every problem is a ConfigError; the same code runs in every rank and in ``--check``."""
-    ds_config = load_ds_config(args.deepspeed_config)
-    check_top_level_keys(ds_config)
-    ptr = parse_pseudo_to_real(ds_config)
-    parse_granular_offload(ds_config)
-    split_checkpoint_options(ds_config)
-    data = parse_data_section(ds_config)
+    config = RunConfig.load(args.deepspeed_config, world_size=world)
+    data, ptr = config.data, config.pseudo_to_real
     vocab, eod = (BYTE_VOCAB, None) if data.type == "byte_corpus" else indexed_vocabulary(data)
     flags = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "seq_len": args.seq_len}
-    spec = model_spec(ds_config, flags, vocab_size=vocab, world_size=world, groups=ptr.groups if ptr.enabled else 1,
-                      eod=eod)
+    spec = model_spec(config, flags, vocab_size=vocab, eod=eod)
     if ptr.enabled:
         ptr.stages(spec.num_layers)  # a progressive schedule's stages, checked before the model is built
-    micro, gas = batch_shape(ds_config, world)
-    return Job(ds_config, ptr, args.steps or default_steps(ds_config), data, vocab, eod, spec, micro, gas)
+    micro, gas = batch_shape(config)
+    return Job(config, args.steps or default_steps(config.deepspeed), vocab, eod, spec, micro, gas)
 
 
 def check(args: argparse.Namespace) -> int:
@@ -308,26 +293,28 @@ def train(args: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"rank {rank}/{world} started on {os.uname().nodename}", flush=True)
     job = read_job(args, world)
-    ds_config, spec, steps, micro, gas = job.ds_config, job.spec, job.steps, job.micro, job.gas
+    config, spec, steps, micro, gas = job.config, job.spec, job.steps, job.micro, job.gas
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     ckpt_dir = out / "checkpoints"
     claim(str(ckpt_dir))  # the configuration is valid: the folder is this run's until it ends (a second run stops here)
     if rank == 0:
-        print(f"data: {job.data.describe()}", flush=True)
-    corpus = build_corpus(job.data, seq_len=spec.seq_len, seed=args.seed, train_samples=steps * gas * micro * world,
+        print(f"data: {config.data.describe()}", flush=True)
+    corpus = build_corpus(config.data, seq_len=spec.seq_len, seed=args.seed, train_samples=steps * gas * micro * world,
                           val_samples=args.eval_batches * micro * world, world_size=world,
                           cache_dir=out / "data_cache", vocab_size=job.vocab, eod=job.eod,
                           max_bytes=args.corpus_bytes)
     if rank == 0 and hasattr(corpus, "describe"):
         print(corpus.describe(), flush=True)
-    if SECTION in ds_config:
-        ds_config[SECTION].setdefault("layers", spec.layers)
-    monitors = default_monitor_paths(ds_config, out)
+    ptr = config.pseudo_to_real
+    if "layers" not in ptr.model_fields_set:  # where the model built from the spec has its layer list
+        ptr = ptr.model_copy(update={"layers": spec.layers})
+    ds_config, monitors = default_monitor_paths(config.deepspeed, out)
+    config = replace(config, deepspeed=ds_config, pseudo_to_real=ptr)
     if rank == 0:
         print(f"model: {spec.describe()}; DeepSpeed monitors: {', '.join(monitors) or 'none'}", flush=True)
 
     model = build_model(spec, seed=args.seed)
-    engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=ds_config, model_parameters=parameter_groups(spec))
+    engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=config, model_parameters=parameter_groups(spec))
     if not args.no_resume:
         engine.load_checkpoint(str(ckpt_dir), tag=args.resume_from)  # rewinds the monitors to where it resumes
     else:

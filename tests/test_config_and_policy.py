@@ -113,3 +113,20 @@ def test_the_lr_factor_is_the_pseudo_scale_in_a_shared_stage_times_the_rewarmup(
 def test_rewarmup_factor_ramps_linearly_then_stays_at_one():
     assert [rewarmup_factor(k, 4) for k in range(6)] == [0.2, 0.4, 0.6, 0.8, 1.0, 1.0]
     assert rewarmup_factor(0, 0) == 1.0
+
+
+def test_a_run_config_read_for_other_ranks_takes_the_data_parallel_size_of_the_run():
+    """initialize takes a RunConfig already read: the batch split and granular offload's plan follow the ranks of
+    the run it is given to (an mpu's or a PipelineModule's data-parallel group), its sections are not read again."""
+    from ds_pseudo_real.run_config import RunConfig
+
+    class TwoDataParallelRanks:
+        def get_data_parallel_world_size(self):
+            return 2
+
+    config = RunConfig.load({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, world_size=1)
+    assert (config.training.data_parallel_size, config.training.gradient_accumulation_steps) == (1, 8)
+    on_four = RunConfig.load(config, world_size=4)
+    assert (on_four.training.data_parallel_size, on_four.training.gradient_accumulation_steps) == (4, 2)
+    assert on_four.pseudo_to_real is config.pseudo_to_real and RunConfig.load(on_four, world_size=4) is on_four
+    assert RunConfig.load(config, mpu=TwoDataParallelRanks()).training.gradient_accumulation_steps == 4

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ds_pseudo_real.config import ConfigError
-from ds_pseudo_real.data import DataOptions, indexed_vocabulary, parse_data_section
+from ds_pseudo_real.data import IndexedData, indexed_vocabulary, parse_data_section
 from ds_pseudo_real.report import read_records
 from conftest import REPO, free_port, run_two_ranks
 
@@ -125,12 +125,14 @@ def test_preprocess_refuses_an_unknown_tokenizer_path(tmp_path):
     ({"prefix": "a", "blend": ["a"]}, "needs either 'prefix'"),
     ({"type": "indexd"}, "data.type: got 'indexd'"),
     ({"prefix": "a", "spilt": "9,1,0"}, "data.spilt: unknown key for type 'indexed'"),
-    ({"blend": [0.5, "a", "b"]}, "data.blend: got [0.5, 'a', 'b']; expected pairs"),
+    ({"blend": [0.5, "a", "b"]}, "data.blend: Value error, expected pairs of a positive weight and a prefix "
+                                 "([0.7, 'a', 0.3, 'b']) or prefixes only (got [0.5, 'a', 'b'])"),
     ({"blend": [-1, "a", 1, "b"]}, "expected pairs of a positive weight and a prefix"),
     ({"prefix": "a", "split": "100,0,0"}, "the validation share is 0"),
-    ({"prefix": "a", "split": "ninety"}, "data.split: got 'ninety'"),
+    ({"prefix": "a", "split": "ninety"}, "data.split: Value error, expected up to three non-negative shares of "
+                                         "train, validation, test, e.g. '98,2,0' (got 'ninety')"),
     ({"type": "byte_corpus", "prefix": "a"}, "data.prefix: unknown key for type 'byte_corpus'"),
-    ({"prefix": "a", "vocab_size": 0}, "data.vocab_size: got 0"),
+    ({"prefix": "a", "vocab_size": 0}, "data.vocab_size: Input should be greater than or equal to 1 (got 0)"),
 ])
 def test_data_section_errors_name_the_key(section, message):
     with pytest.raises(ConfigError) as error:
@@ -141,7 +143,7 @@ def test_data_section_errors_name_the_key(section, message):
 def test_a_prefix_not_found_names_the_absolute_paths_tried(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as error:
-        indexed_vocabulary(DataOptions("indexed", prefixes=["data/corpus", str(tmp_path / "abs")]))
+        indexed_vocabulary(IndexedData(blend=["data/corpus", str(tmp_path / "abs")]))
     assert (f"data: data/corpus.bin and data/corpus.idx missing (looked for {tmp_path}/data/corpus.bin and "
             f"{tmp_path}/data/corpus.idx: a relative prefix is read from the working directory, {tmp_path}, not "
             f"from the config's folder; a dataset is PREFIX.bin") in str(error.value)
@@ -160,21 +162,21 @@ def test_data_section_forms():
 def test_data_files_and_vocabulary_are_checked(tmp_path):
     words_corpus(tmp_path / "w.jsonl", 20)
     preprocess(str(tmp_path / "w.jsonl"), str(tmp_path / "bytes"))
-    assert indexed_vocabulary(DataOptions("indexed", prefixes=[str(tmp_path / "bytes")])) == (257, 256)
+    assert indexed_vocabulary(IndexedData(prefix=str(tmp_path / "bytes"))) == (257, 256)
 
     os.rename(tmp_path / "bytes.idx", tmp_path / "moved.idx")
     with pytest.raises(ConfigError, match=r"bytes\.idx missing"):
-        indexed_vocabulary(DataOptions("indexed", prefixes=[str(tmp_path / "bytes")]))
+        indexed_vocabulary(IndexedData(prefix=str(tmp_path / "bytes")))
     os.rename(tmp_path / "moved.idx", tmp_path / "bytes.idx")
 
     # A dataset without its description (e.g. from Megatron-LM's preprocess_data.py) needs data.vocab_size.
     for ext in (".bin", ".idx"):
         (tmp_path / f"bare{ext}").write_bytes((tmp_path / f"bytes{ext}").read_bytes())
     with pytest.raises(ConfigError, match="give the tokenizer's vocabulary size as data.vocab_size"):
-        indexed_vocabulary(DataOptions("indexed", prefixes=[str(tmp_path / "bare")]))
-    assert indexed_vocabulary(DataOptions("indexed", prefixes=[str(tmp_path / "bare")], vocab_size=300)) == (300, None)
+        indexed_vocabulary(IndexedData(prefix=str(tmp_path / "bare")))
+    assert indexed_vocabulary(IndexedData(prefix=str(tmp_path / "bare"), vocab_size=300)) == (300, None)
     with pytest.raises(ConfigError, match="data.vocab_size: got 300; .*says the tokenizer has 257 tokens"):
-        indexed_vocabulary(DataOptions("indexed", prefixes=[str(tmp_path / "bytes")], vocab_size=300))
+        indexed_vocabulary(IndexedData(prefix=str(tmp_path / "bytes"), vocab_size=300))
 
     # A blend of two tokenizations is refused.
     other = json.loads((tmp_path / "bytes.json").read_text())
@@ -183,7 +185,7 @@ def test_data_files_and_vocabulary_are_checked(tmp_path):
         (tmp_path / f"other{ext}").write_bytes((tmp_path / f"bytes{ext}").read_bytes())
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ConfigError, match="the datasets were tokenized differently"):
-        indexed_vocabulary(DataOptions("indexed", prefixes=[str(tmp_path / "bytes"), str(tmp_path / "other")]))
+        indexed_vocabulary(IndexedData(blend=[str(tmp_path / "bytes"), str(tmp_path / "other")]))
 
 
 def test_a_split_with_no_documents_is_refused(tmp_path):

@@ -11,6 +11,7 @@ import ds_pseudo_real
 from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.moe.architecture import M6_TINY, embedding_parameters, layer_parameters
 from ds_pseudo_real.report import read_records
+from ds_pseudo_real.run_config import RunConfig
 from conftest import REPO, run_main_job as run_job, run_two_ranks
 
 RUN = ["--eval-interval", "4", "--eval-batches", "2", "--log-interval", "4", "--corpus-bytes", str(1 << 20)]
@@ -96,11 +97,11 @@ def test_hugging_face_gpt2_from_a_local_config(tmp_path):
 def test_a_presets_vocabulary_replaced_by_the_datas_is_said_with_both_numbers():
     from ds_pseudo_real.models.build import model_spec
 
-    replaced = model_spec({"m6": {"preset": "m6-tiny"}}, {}, vocab_size=257, world_size=1)
+    replaced = model_spec(RunConfig.load({"m6": {"preset": "m6-tiny"}}, world_size=1), {}, vocab_size=257)
     assert replaced.vocab_size == 257
     assert "vocabulary 257 (the data's tokenizer's, in place of the preset m6-tiny's 128)" in replaced.describe()
     for section, data_vocab in (({"preset": "m6-tiny", "vocab_size": 300}, 257), ({"preset": "m6-tiny"}, 128)):
-        spec = model_spec({"m6": section}, {}, vocab_size=data_vocab, world_size=1)
+        spec = model_spec(RunConfig.load({"m6": section}, world_size=1), {}, vocab_size=data_vocab)
         assert f"vocabulary {spec.vocab_size}, preset" in spec.describe()
 
 
@@ -109,9 +110,11 @@ def test_an_hf_config_dict_takes_its_special_tokens_from_the_data():
     from ds_pseudo_real.models.build import model_spec
 
     gpt2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 257}
-    config = model_spec({"hf": {"config": gpt2}}, {}, vocab_size=257, world_size=1, eod=256).options["hf_config"]
+    config = model_spec(RunConfig.load({"hf": {"config": gpt2}}, world_size=1), {}, vocab_size=257,
+                        eod=256).options["hf_config"]
     assert (config.bos_token_id, config.eos_token_id) == (256, 256)  # the end-of-document token, as GPT-2's
-    given = model_spec({"hf": {"config": {**gpt2, "eos_token_id": 3}}}, {}, vocab_size=257, world_size=1, eod=256)
+    given = model_spec(RunConfig.load({"hf": {"config": {**gpt2, "eos_token_id": 3}}}, world_size=1), {},
+                       vocab_size=257, eod=256)
     assert (given.options["hf_config"].bos_token_id, given.options["hf_config"].eos_token_id) == (256, 3)
 
 
@@ -121,7 +124,7 @@ def test_hf_config_folder_that_is_not_there_is_named_and_never_looked_up_on_the_
 
     folder = tmp_path / "gpt2-small"
     transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=300).save_pretrained(folder)
-    spec = model_spec({"hf": {"config": str(folder)}}, {}, vocab_size=256, world_size=1)
+    spec = model_spec(RunConfig.load({"hf": {"config": str(folder)}}, world_size=1), {}, vocab_size=256)
     assert (spec.num_layers, spec.vocab_size) == (3, 300)
 
     def no_lookup(*args, **kwargs):
@@ -131,7 +134,7 @@ def test_hf_config_folder_that_is_not_there_is_named_and_never_looked_up_on_the_
     monkeypatch.chdir(tmp_path)
     for given in ("models/gpt2-small", str(tmp_path / "missing")):
         with pytest.raises(ConfigError) as error:
-            model_spec({"hf": {"config": given}}, {}, vocab_size=256, world_size=1)
+            model_spec(RunConfig.load({"hf": {"config": given}}, world_size=1), {}, vocab_size=256)
         assert str(error.value).startswith(f"hf.config: no such folder {given} ({tmp_path / given}: a relative path "
                                            f"is read from the working directory)")
 
@@ -140,7 +143,7 @@ def test_hf_config_folder_that_is_not_there_is_named_and_never_looked_up_on_the_
     ({"pseudo_to_reel": {"switch": {"at_step": 2}}},
      "pseudo_to_reel: unknown top-level key, known to neither DeepSpeed nor ds_pseudo_real; did you mean 'pseudo_to_real'?"),
     ({"m6x": {}}, "m6x: unknown top-level key, known to neither DeepSpeed nor ds_pseudo_real; did you mean 'm6'?"),
-    ({"m6": {"preset": "m6-100t"}}, "m6.preset: got 'm6-100t', expected one of"),
+    ({"m6": {"preset": "m6-100t"}}, "m6.preset: Input should be 'm6-10t', 'm6-1t-like' or 'm6-tiny' (got 'm6-100t')"),
     ({"m6": {"preset": "m6-tiny", "expert_parallel": 3}}, "m6.expert_parallel: got 3; it must divide both the 8 experts"),
     ({"pseudo_to_real": {"groups": 3}}, "pseudo_to_real.groups: got 3; it must be >= 1 and divide the number of layers (4)"),
     ({"gpt": {"n_layer": 2}}, "the config has the model sections ['gpt', 'm6']"),
@@ -242,14 +245,11 @@ def test_initialize_refuses_unknown_sections_and_takes_model_outputs_with_a_loss
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.json")))
 def test_shipped_configs_are_accepted_by_the_main_job(name):
-    from ds_pseudo_real.config import check_top_level_keys, parse_pseudo_to_real
     from ds_pseudo_real.models.build import model_spec
 
     cfg = json.loads((REPO / "configs" / name).read_text())
-    check_top_level_keys(cfg)
-    ptr = parse_pseudo_to_real(cfg)
     world = cfg.get("m6", {}).get("expert_parallel", 2)  # the rank count the config is written for
-    spec = model_spec(cfg, {}, vocab_size=256, world_size=world, groups=ptr.groups if ptr.enabled else 1)
+    spec = model_spec(RunConfig.load(cfg, world_size=world), {}, vocab_size=256)
     if "m6" in cfg:
         assert spec.kind == "m6" and spec.options["preset"] == cfg["m6"]["preset"]
         assert spec.options["expert_parallel"] == world
@@ -267,7 +267,7 @@ def test_shipped_configs_plan_the_model_the_main_job_trains(name):
     from ds_pseudo_real.models.build import build_model
     from ds_pseudo_real.offload import model_groups
     from ds_pseudo_real.offload.cli import m6_model_size
-    from ds_pseudo_real.offload.config import parse_granular_offload, training_setup
+    from ds_pseudo_real.offload.config import training_setup
     from ds_pseudo_real.offload.planner import PlacementLevel, plan_placement
     from ds_pseudo_real.sharing import apply_sharing
     from launch.train import parse_args, read_job
@@ -281,15 +281,15 @@ def test_shipped_configs_plan_the_model_the_main_job_trains(name):
     dense = [s.numel for s in sizes if s.name.startswith("layer") and not s.is_experts]
     experts = [s.numel for s in sizes if s.is_experts] or [0]
     built = (len(dense), set(dense), set(experts), sum(s.numel for s in sizes if s.name == "other"))
-    section = parse_granular_offload(cfg)
-    planned = m6_model_size(cfg["m6"], section.model) if "m6" in cfg else section.model
+    section = job.config.granular_offload
+    planned = m6_model_size(job.config.model, section.model) if "m6" in cfg else section.model
     assert built == (planned.num_layers, {planned.layer_params}, {planned.expert_params}, planned.other_params)
 
     if "tiny" not in name:
         return
-    setup = training_setup(cfg, section, world, job.spec.num_layers, "cpu")
-    layers = job.spec.num_layers
-    stages = [groups for _, groups in job.ptr.stages(layers)] if job.ptr.enabled else [layers]
+    setup = training_setup(section, job.config.training, job.spec.num_layers, "cpu")
+    layers, ptr = job.spec.num_layers, job.config.pseudo_to_real
+    stages = [groups for _, groups in ptr.stages(layers)] if ptr.enabled else [layers]
     for groups in reversed(stages):  # the real model first, then it is shared into the pseudo model
         apply_sharing(model, job.spec.layers, groups)
         plan = plan_placement(model_groups(model, job.spec.layers, world)[0], setup, section.device_memory,

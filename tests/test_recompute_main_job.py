@@ -15,6 +15,7 @@ from ds_pseudo_real.models.build import model_spec
 from ds_pseudo_real.models.gpt import GPT, GPTConfig
 from ds_pseudo_real.moe.architecture import M6_TINY
 from ds_pseudo_real.report import read_records
+from ds_pseudo_real.run_config import RunConfig
 from conftest import REPO, run_main_job, run_two_ranks
 
 
@@ -152,18 +153,24 @@ def test_m6_on_two_ranks_recomputes_through_the_expert_all_to_all(tmp_path):
     assert runs["recomputes"] == runs["keeps"]
 
 
+def planned_activations(checkpointing):
+    """A granular_offload section whose activation estimate recomputes, or keeps, each layer's activations."""
+    return {"device_memory": "1GB", "activations": {"micro_batch": 1, "seq_len": 32, "hidden": 64, "heads": 4,
+                                                    "checkpointing": checkpointing}}
+
+
 @pytest.mark.parametrize("config, words", [
     ({"activation_checkpointing": {"partition_activations": False}},
      ["activation_checkpointing", '"gpt": {"checkpoint_activations": true}']),
-    ({"m6": {"preset": "m6-tiny"}, "granular_offload": {"activations": {"checkpointing": True}}},
+    ({"m6": {"preset": "m6-tiny"}, "granular_offload": planned_activations(True)},
      ["granular_offload.activations.checkpointing is true", "m6.checkpoint_activations is false"]),
-    ({"gpt": {"checkpoint_activations": True}, "granular_offload": {"activations": {"checkpointing": False}}},
+    ({"gpt": {"checkpoint_activations": True}, "granular_offload": planned_activations(False)},
      ["granular_offload.activations.checkpointing is false", "gpt.checkpoint_activations is true"]),
-    ({"gpt": {"checkpoint_activations": "yes"}}, ["gpt.checkpoint_activations", "expected true or false"]),
+    ({"gpt": {"checkpoint_activations": "yes"}}, ["gpt.checkpoint_activations", "Input should be a valid boolean"]),
 ])
 def test_settings_the_job_would_not_honour_stop_it_naming_the_keys(config, words):
     with pytest.raises(ConfigError) as error:
-        model_spec(config, {}, vocab_size=256, world_size=1)
+        model_spec(RunConfig.load(config, world_size=1), {}, vocab_size=256)
     assert all(word in str(error.value) for word in words), str(error.value)
 
 
@@ -181,8 +188,8 @@ def test_hugging_face_model_recomputes_through_transformers_own_switch():
     config = {"model_type": "gpt2", "n_layer": 3, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 64}
     models = []
     for recompute in (False, True):
-        spec = model_spec({"hf": {"config": dict(config), "checkpoint_activations": recompute}}, {"seq_len": 16},
-                          vocab_size=256, world_size=1)
+        spec = model_spec(RunConfig.load({"hf": {"config": dict(config), "checkpoint_activations": recompute}},
+                                         world_size=1), {"seq_len": 16}, vocab_size=256)
         models.append(build_model(spec, seed=0))
     plain, recomputing = models
     assert recomputing.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing

@@ -1,8 +1,9 @@
 """The model a config asks the main job to train: the ``gpt`` section (or flags, the default), ``m6`` or ``hf``.
 
-Owns: reading those sections into a validated :class:`ModelSpec` (every error a ``ConfigError``, raised before any
-model is built) and building the model from it. The models themselves live beside this module (``gpt``, ``m6``) or
-in Hugging Face ``transformers`` (an optional extra, built from a local config, never downloaded).
+Owns: turning the validated section (``sections``) into a :class:`ModelSpec` checked against the data, the ranks
+and the flags (every error a ``ConfigError``, raised before any model is built) and building the model from it. The
+models themselves live beside this module (``gpt``, ``m6``) or in Hugging Face ``transformers`` (an optional extra,
+built from a local config, never downloaded).
 """
 from __future__ import annotations
 
@@ -10,24 +11,24 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError
-from ..moe.architecture import PRESETS, M6Architecture, architecture_from_dict
+from ..moe.architecture import PRESETS, M6Architecture
 from ..sharing import sharing_groups
 from .gpt import GPT, GPTConfig
+from .sections import DEFAULT_SEQ_LEN, GPTSection, HFSection, M6Section, ModelSection
 
-MODEL_SECTIONS = ("gpt", "m6", "hf")
-GPT_KEYS = ("n_layer", "d_model", "n_head", "seq_len", "mlp_ratio")
+if TYPE_CHECKING:
+    from ..run_config import RunConfig
+
 CHECKPOINT_KEY = "checkpoint_activations"  # in every model section: recompute each layer in the backward
-M6_RUN_KEYS = {"expert_parallel": None, "capacity_factor": 1.25, "balance_coeff": 0.01}
 # Where the layer list of a Hugging Face causal LM lives, by config.model_type (inside the wrapper: "model.").
 HF_LAYER_LISTS = {"gpt2": "transformer.h", "llama": "model.layers", "gpt_neox": "gpt_neox.layers"}
-DEFAULT_SEQ_LEN = 128
 
 
 @dataclass
@@ -51,42 +52,34 @@ class ModelSpec:
             f", {extra}" if extra else "")
 
 
-def model_spec(ds_config: Mapping[str, Any], flags: Mapping[str, Optional[int]], vocab_size: int,
-               world_size: int, groups: int = 1, eod: Optional[int] = None) -> ModelSpec:
-    """Validate the model sections of ``ds_config`` (flags given on the command line win over the ``gpt`` section)
-    and that ``groups`` (``pseudo_to_real.groups``) divides the layer count. ``vocab_size`` and ``eod`` (the
-    end-of-document id, None for the byte corpus) are the data's."""
-    chosen = [s for s in MODEL_SECTIONS if s in ds_config]
-    if len(chosen) > 1:
-        raise ConfigError(f"the config has the model sections {chosen}; give one of {list(MODEL_SECTIONS)}")
-    kind = chosen[0] if chosen else "gpt"
-    section = ds_config.get(kind) or {}
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"invalid config:\n  {kind}: expected an object, got {section!r}")
-    section = dict(section)
-    checkpoint = section.pop(CHECKPOINT_KEY, False)
-    if not isinstance(checkpoint, bool):
-        raise ConfigError(f"{kind}.{CHECKPOINT_KEY}: got {checkpoint!r}; expected true or false")
-    _check_activation_checkpointing(ds_config, kind, checkpoint)
-    spec = {"gpt": _gpt_spec, "m6": _m6_spec, "hf": _hf_spec}[kind](section, flags, vocab_size, world_size, eod)
-    spec.options[CHECKPOINT_KEY] = checkpoint
-    sharing_groups(spec.num_layers, groups)
+def model_spec(config: RunConfig, flags: Mapping[str, Optional[int]], vocab_size: int,
+               eod: Optional[int] = None) -> ModelSpec:
+    """The model of ``config``'s model section (flags given on the command line win over the ``gpt`` section),
+    checked against the data (``vocab_size`` and ``eod``, the end-of-document id, None for the byte corpus), the
+    ranks and ``pseudo_to_real.groups``, which must divide the layer count."""
+    section = config.model
+    _check_activation_checkpointing(config, section)
+    build = {"gpt": _gpt_spec, "m6": _m6_spec, "hf": _hf_spec}[section.kind]
+    spec = build(section, flags, vocab_size, config.training.data_parallel_size, eod)
+    spec.options[CHECKPOINT_KEY] = section.checkpoint_activations
+    ptr = config.pseudo_to_real
+    sharing_groups(spec.num_layers, ptr.groups if ptr.enabled else 1)
     return spec
 
 
-def _check_activation_checkpointing(ds_config: Mapping[str, Any], kind: str, checkpoint: bool) -> None:
+def _check_activation_checkpointing(config: RunConfig, section: ModelSection) -> None:
     """The main job recomputes activations when the model section says so; refuse the settings that would
     otherwise be silently ignored or would plan for other activations than the job keeps."""
-    if "activation_checkpointing" in ds_config:
+    kind, checkpoint = section.kind, section.checkpoint_activations
+    if "activation_checkpointing" in config.deepspeed:
         raise ConfigError(
             f"activation_checkpointing: the main job's models do not call DeepSpeed's activation checkpointing (its "
             f"reentrant recompute fires a shared parameter's gradient hook once per layer, which ZeRO 2/3 refuse), "
             f"so this section would change nothing; to recompute each layer in the backward set "
             f"\"{kind}\": {{\"{CHECKPOINT_KEY}\": true}} and remove the section")
-    offload = ds_config.get("granular_offload")
-    activations = offload.get("activations") if isinstance(offload, Mapping) else None
-    if isinstance(activations, Mapping):
-        planned = bool(activations.get("checkpointing", False))
+    offload = config.granular_offload
+    if offload is not None and offload.activations is not None:
+        planned = offload.activations.checkpointing
         if planned != checkpoint:
             raise ConfigError(
                 f"granular_offload.activations.checkpointing is {str(planned).lower()} but {kind}.{CHECKPOINT_KEY} is "
@@ -95,58 +88,45 @@ def _check_activation_checkpointing(ds_config: Mapping[str, Any], kind: str, che
                 f"{'recomputes' if checkpoint else 'keeps'} them; make the two agree")
 
 
-def _gpt_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int, eod: Optional[int]) -> ModelSpec:
-    unknown = sorted(set(section) - set(GPT_KEYS))
-    if unknown:
-        raise ConfigError(f"gpt: unknown key(s) {unknown}; accepted: {[*GPT_KEYS, CHECKPOINT_KEY]}")
-    values = {"n_layer": 8, "d_model": 128, "n_head": 4, "seq_len": DEFAULT_SEQ_LEN, "mlp_ratio": 4}
-    values.update(section)
+def _gpt_spec(section: GPTSection, flags, vocab_size: int, world_size: int, eod: Optional[int]) -> ModelSpec:
+    values = section.model_dump(exclude={CHECKPOINT_KEY})
     values.update({k: v for k, v in flags.items() if v is not None and k in values})
-    for key, value in values.items():
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"gpt.{key}: got {value!r}; expected a positive integer")
     if values["d_model"] % values["n_head"]:
         raise ConfigError(f"gpt.d_model ({values['d_model']}) must be divisible by gpt.n_head ({values['n_head']})")
     return ModelSpec("gpt", values["n_layer"], values["seq_len"], vocab_size, options=values)
 
 
-def _m6_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int, eod: Optional[int]) -> ModelSpec:
-    run = {key: section.pop(key, default) for key, default in M6_RUN_KEYS.items()}
-    if flags.get("seq_len") is not None:
-        section["seq_length"] = flags["seq_len"]
-    if "vocab_size" in section and section["vocab_size"] < vocab_size:
-        raise ConfigError(f"m6.vocab_size: got {section['vocab_size']}; the data's tokenizer has {vocab_size} tokens")
-    preset = PRESETS.get(section["preset"]) if isinstance(section.get("preset"), str) else None
-    replaced = preset.vocab_size if preset and "vocab_size" not in section and preset.vocab_size != vocab_size \
+def _m6_spec(section: M6Section, flags, vocab_size: int, world_size: int, eod: Optional[int]) -> ModelSpec:
+    if section.vocab_size is not None and section.vocab_size < vocab_size:
+        raise ConfigError(f"m6.vocab_size: got {section.vocab_size}; the data's tokenizer has {vocab_size} tokens")
+    preset = PRESETS.get(section.preset)
+    replaced = preset.vocab_size if preset and section.vocab_size is None and preset.vocab_size != vocab_size \
         else None
-    section.setdefault("vocab_size", vocab_size)
+    overrides = {"vocab_size": section.vocab_size or vocab_size}
+    if flags.get("seq_len") is not None:
+        overrides["seq_length"] = flags["seq_len"]
     try:
-        arch = architecture_from_dict(section)
+        arch = section.architecture(**overrides)
     except TypeError as error:  # a field missing without a preset
         raise ConfigError(f"m6: {error}; give a preset ({'m6-tiny', 'm6-1t-like', 'm6-10t'}) or every field") from None
-    ep = run["expert_parallel"]
+    ep = section.expert_parallel
     if ep is None:
         ep = math.gcd(world_size, arch.num_experts)
-    elif not isinstance(ep, int) or ep < 1 or arch.num_experts % ep or world_size % ep:
+    elif arch.num_experts % ep or world_size % ep:
         accepted = [k for k in range(1, world_size + 1) if world_size % k == 0 and arch.num_experts % k == 0]
         raise ConfigError(f"m6.expert_parallel: got {ep!r}; it must divide both the {arch.num_experts} experts and "
                           f"the {world_size} ranks (accepted: {accepted})")
     return ModelSpec("m6", arch.num_layers, arch.seq_length, arch.vocab_size,
-                     options={"preset": arch.name, "expert_parallel": ep, "capacity_factor": run["capacity_factor"],
-                              "balance_coeff": run["balance_coeff"], "arch": arch}, preset_vocab_size=replaced)
+                     options={"preset": arch.name, "expert_parallel": ep, "capacity_factor": section.capacity_factor,
+                              "balance_coeff": section.balance_coeff, "arch": arch}, preset_vocab_size=replaced)
 
 
-def _hf_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int, eod: Optional[int]) -> ModelSpec:
-    unknown = sorted(set(section) - {"config", "layers"})
-    if unknown or "config" not in section:
-        raise ConfigError(f"hf: got keys {sorted(section)}; expected 'config' (a dict for transformers.AutoConfig."
-                          f"for_model, with model_type, or a local folder) and optional 'layers' and "
-                          f"'{CHECKPOINT_KEY}'")
+def _hf_spec(section: HFSection, flags, vocab_size: int, world_size: int, eod: Optional[int]) -> ModelSpec:
     try:
         import transformers
     except ImportError:
         raise ConfigError("hf: needs Hugging Face transformers: pip install 'ds_pseudo_real[hf]'") from None
-    raw = section["config"]
+    raw = section.config
     if isinstance(raw, str) and not os.path.exists(raw):  # never handed on: transformers would take it for a Hub id
         raise ConfigError(f"hf.config: no such folder {raw} ({os.path.abspath(raw)}: a relative path is read from the "
                           f"working directory); give a local folder with a config.json, or the config itself as a "
@@ -164,7 +144,7 @@ def _hf_spec(section: Dict[str, Any], flags, vocab_size: int, world_size: int, e
     if config.vocab_size < vocab_size:
         raise ConfigError(f"hf.config.vocab_size: got {config.vocab_size}; "
                           f"the data's tokenizer has {vocab_size} tokens")
-    layers = section.get("layers") or HF_LAYER_LISTS.get(config.model_type)
+    layers = section.layers or HF_LAYER_LISTS.get(config.model_type)
     if layers is None:
         raise ConfigError(f"hf.layers: cannot tell where the layer list of a {config.model_type!r} model is; "
                           f"name it, e.g. 'model.layers' (known: {HF_LAYER_LISTS})")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional
 
 import torch
 from torch import nn
@@ -103,22 +103,6 @@ def architecture_from_dict(raw: Mapping[str, Any]) -> M6Architecture:
             raise ConfigError(f"m6.preset: got {preset!r}, expected one of {sorted(PRESETS)}")
         return dataclasses.replace(PRESETS[preset], **raw)
     return M6Architecture(**raw)
-
-
-# Keys of the "m6" section that set how the main job runs the model, not its shape or parameter counts.
-TRAINING_KEYS = ("capacity_factor", "balance_coeff", "checkpoint_activations")
-
-
-def parse_m6_section(raw: Mapping[str, Any]) -> Tuple[M6Architecture, int]:
-    """The ``"m6"`` section of a config: the architecture and ``expert_parallel`` (ranks the experts spread over);
-    the :data:`TRAINING_KEYS` are the main job's to check."""
-    raw = {key: value for key, value in raw.items() if key not in TRAINING_KEYS}
-    expert_parallel = raw.pop("expert_parallel", 1)
-    arch = architecture_from_dict(raw)
-    if not isinstance(expert_parallel, int) or expert_parallel < 1 or arch.num_experts % expert_parallel:
-        raise ConfigError(f"m6.expert_parallel: got {expert_parallel!r}; it must be a positive integer dividing "
-                         f"the {arch.num_experts} experts")
-    return arch, expert_parallel
 
 
 class ExpertBank(nn.Module):

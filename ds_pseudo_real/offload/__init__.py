@@ -1,7 +1,8 @@
 """Granular CPU offloading: a per-layer placement planner (``planner``), its config section (``config``), the
 ``plan`` command (``cli``), the ZeRO-compatible optimizer wrapper (``optimizer``) and host-resident parameters
-(``params``). ``build_offload_optimizer`` composes them for ``ds_pseudo_real.initialize``; ``attach_to_engine``
-is the one step taken on the engine built with them (through ``ds_pseudo_real.ds_state``)."""
+(``params``). ``offload_optimizer`` composes them for ``ds_pseudo_real.initialize`` (``build_offload_optimizer``
+from a DeepSpeed config dict); ``attach_to_engine`` is the one step taken on the engine built with them (through
+``ds_pseudo_real.ds_state``)."""
 from __future__ import annotations
 
 import copy
@@ -18,13 +19,14 @@ from ds_pseudo_real import ds_state
 from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.offload.config import (
-    SECTION, GranularOffloadConfig, explicit_levels, parse_granular_offload, training_setup,
+    SECTION, GranularOffloadConfig, parse_granular_offload, planned_placement, training_setup,
 )
 from ds_pseudo_real.offload.layers import rank_layers
 from ds_pseudo_real.offload.optimizer import GranularOffloadOptimizer
 from ds_pseudo_real.offload.planner import (
-    EXPERTS, OTHER, GroupSize, OffloadPlan, PlacementLevel, PlanError, describe_plan, place, plan_placement,
+    EXPERTS, OTHER, GroupSize, OffloadPlan, PlacementLevel, PlanError, describe_plan, plan_placement,
 )
+from ds_pseudo_real.training_facts import TrainingFacts
 
 ADAM_TYPES = {"adam": None, "adamw": True}  # DeepSpeed: "Adam" takes adam_w_mode (default True), "AdamW" forces it
 ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
@@ -115,15 +117,11 @@ def adam_arguments(ds_config: Mapping[str, Any]) -> Dict[str, Any]:
     return {**params, "adamw_mode": bool(adamw_mode)}
 
 
-def _plan(model: nn.Module, ds_config: Mapping[str, Any], section: GranularOffloadConfig, layer_path: str,
-          world_size: int) -> Tuple[List[GroupSize], List[List[nn.Parameter]], OffloadPlan]:
-    sizes, params = model_groups(model, layer_path, world_size)
+def _plan(model: nn.Module, section: GranularOffloadConfig, training: TrainingFacts, layer_path: str
+          ) -> Tuple[List[GroupSize], List[List[nn.Parameter]], OffloadPlan]:
+    sizes, params = model_groups(model, layer_path, training.data_parallel_size)
     layers, num_layers = rank_layers(model, layer_path)
-    setup = training_setup(ds_config, section, world_size, len(layers))
-    if section.levels is not None:
-        plan = place(sizes, explicit_levels(section, sizes, num_layers), setup)
-    else:
-        plan = plan_placement(sizes, setup, section.device_memory, PlacementLevel(section.max_level))
+    plan = planned_placement(section, sizes, training_setup(section, training, len(layers)), num_layers)
     _refuse_own_steps_of_tied_across_stages(model, sizes, params, plan)
     return sizes, params, plan
 
@@ -153,15 +151,12 @@ def _refuse_own_steps_of_tied_across_stages(model: nn.Module, sizes: List[GroupS
                           f"stages (each set inside one stage)")
 
 
-def host_params_placement(model: nn.Module, ds_config: Mapping[str, Any], layer_path: str, world_size: int
-                          ) -> Tuple[Set[int], bool]:
-    """The ids of the parameters of ``model`` (a meta skeleton will do) that :func:`build_offload_optimizer` will
-    plan at ``host_params``, and whether it pins them: what a model builder needs to give those layers their host
-    storage directly (``offload.params.host_param_views``). Empty without an enabled ``granular_offload`` section."""
-    section = parse_granular_offload(ds_config)
-    if section is None:
-        return set(), False
-    sizes, params, plan = _plan(model, ds_config, section, layer_path, world_size)
+def host_params_placement(model: nn.Module, section: GranularOffloadConfig, training: TrainingFacts,
+                          layer_path: str) -> Tuple[Set[int], bool]:
+    """The ids of the parameters of ``model`` (a meta skeleton will do) that :func:`offload_optimizer` will plan at
+    ``host_params``, and whether it pins them: what a model builder needs to give those layers their host storage
+    directly (``offload.params.host_param_views``)."""
+    sizes, params, plan = _plan(model, section, training, layer_path)
     ids = {id(p) for size, ps in zip(sizes, params) if plan.level_of(size.name) is PlacementLevel.HOST_PARAMS
            for p in ps}
     return ids, section.pin_memory
@@ -169,7 +164,8 @@ def host_params_placement(model: nn.Module, ds_config: Mapping[str, Any], layer_
 
 def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], layer_path: str, world_size: int
                             ) -> Tuple[Optional[GranularOffloadOptimizer], Dict[str, Any], Optional[OffloadPlan]]:
-    """Plan placement for ``model`` and build the client optimizer for ``deepspeed.initialize``.
+    """Plan placement for ``model`` and build the client optimizer for ``deepspeed.initialize``, from a DeepSpeed
+    config dict (for a script that calls ``deepspeed.initialize`` itself; ``ds_pseudo_real.initialize`` does this).
 
     Args:
         model: the model as it will be given to ``deepspeed.initialize`` (pseudo or real; shared Parameters are
@@ -178,12 +174,27 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
         layer_path: dotted path of the model's layer list (``"layers"``, ``"transformer.h"``).
         world_size: data-parallel ranks ZeRO partitions over (the planner's D).
 
-    Returns ``(optimizer, patched_config, plan)``. Without an enabled ``"granular_offload"`` section:
-    ``(None, ds_config, None)``, nothing changed. With it: the optimizer built from ``ds_config["optimizer"]``
-    (Adam/AdamW) over one param group per layer, one per layer's MoE experts (with DeepSpeed's ``moe``/``name``
-    keys) and ``other``, at the plan's levels; a deep copy of the config
-    without ``"optimizer"`` and with ``zero_allow_untested_optimizer: true`` and ``zero_force_ds_cpu_optimizer:
-    false``; and the :class:`OffloadPlan` (``describe_offload_plan(plan)`` renders it for logs).
+    Returns ``(optimizer, patched_config, plan)``: without an enabled ``"granular_offload"`` section
+    ``(None, ds_config, None)``, nothing changed; with it, what :func:`offload_optimizer` returns.
+    """
+    section = parse_granular_offload(ds_config)
+    if section is None:
+        return None, ds_config, None
+    return offload_optimizer(model, section, TrainingFacts.from_deepspeed(ds_config, world_size), ds_config,
+                             layer_path)
+
+
+def offload_optimizer(model: nn.Module, section: GranularOffloadConfig, training: TrainingFacts,
+                      ds_config: Mapping[str, Any], layer_path: str
+                      ) -> Tuple[GranularOffloadOptimizer, Dict[str, Any], OffloadPlan]:
+    """Plan placement for ``model`` as ``section`` asks, on the run ``training`` describes, and build the client
+    optimizer that replaces DeepSpeed's ``optimizer`` section of ``ds_config`` (read, never modified).
+
+    Returns the optimizer, built from ``ds_config["optimizer"]`` (Adam/AdamW) over one param group per layer, one
+    per layer's MoE experts (with DeepSpeed's ``moe``/``name`` keys) and ``other``, at the plan's levels; a deep
+    copy of ``ds_config`` without ``"optimizer"`` and with ``zero_allow_untested_optimizer: true`` and
+    ``zero_force_ds_cpu_optimizer: false``, for ``deepspeed.initialize``; and the :class:`OffloadPlan`
+    (``describe_offload_plan(plan)`` renders it for logs).
 
     Call it again on the real model at the delink: a new plan and a new optimizer, nothing reused. Layers at
     ``host_params`` get hooks on their modules and, under ZeRO >= 1 or bf16, gradient-streaming hooks on their
@@ -193,11 +204,9 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
     :class:`ConfigError` for a bad section or optimizer, :class:`PlanError` when nothing fits the budget or a
     level is not accepted (``host_params`` for ``other``; for every layer's experts under ZeRO >= 1 or bf16).
     """
-    section = parse_granular_offload(ds_config)
-    if section is None:
-        return None, ds_config, None
     ds_state.check_versions("granular_offload")
-    sizes, params, plan = _plan(model, ds_config, section, layer_path, world_size)
+    adam = adam_arguments(ds_config)  # a bad optimizer section refused before any host memory is taken
+    sizes, params, plan = _plan(model, section, training, layer_path)
     groups = [param_group(size, ps, plan.level_of(size.name)) for size, ps in zip(sizes, params)]
     fetched = [g for g in groups if g["level"] == PlacementLevel.HOST_PARAMS.value]
     device = rank_device()
@@ -220,7 +229,7 @@ def build_offload_optimizer(model: nn.Module, ds_config: Mapping[str, Any], laye
     clip_grad = float(ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
     optimizer = GranularOffloadOptimizer(kept, pin_memory=section.pin_memory, host_params=host_params,
                                          own_groups=own, stream_gradients=plan.setup.streams_gradients,
-                                         clip_grad=clip_grad, device=device, **adam_arguments(ds_config))
+                                         clip_grad=clip_grad, device=device, **adam)
     patched = copy.deepcopy(dict(ds_config))
     patched.pop("optimizer")
     patched["zero_allow_untested_optimizer"] = True  # a client optimizer under ZeRO
@@ -268,5 +277,6 @@ def describe_offload_plan(plan: Optional[OffloadPlan]) -> str:
     return "granular offload: off" if plan is None else describe_plan(plan)
 
 
-__all__ = ["build_offload_optimizer", "attach_to_engine", "describe_offload_plan", "model_groups", "param_group",
-           "adam_arguments", "GranularOffloadOptimizer", "OffloadPlan", "PlacementLevel", "PlanError", "plan_placement"]
+__all__ = ["build_offload_optimizer", "offload_optimizer", "attach_to_engine", "describe_offload_plan", "model_groups",
+           "param_group", "adam_arguments", "GranularOffloadOptimizer", "OffloadPlan", "PlacementLevel", "PlanError",
+           "plan_placement"]

@@ -1,8 +1,9 @@
 """``ds-pseudo-real plan``: print the granular offload plan for a DeepSpeed config, without building the model.
 
-Owns: argument parsing and printing. The numbers come from ``planner`` (byte model) and ``config`` (section); the
-per-rank parameter counts from the flags, else the config's ``"m6"`` architecture (``ds_pseudo_real.moe.architecture``:
-dense layer, experts over ``m6.expert_parallel`` ranks, embeddings), else ``granular_offload.model``.
+Owns: argument parsing and printing. The config is read once (``ds_pseudo_real.run_config``), with the flags in
+place of its keys; the numbers come from ``planner`` (byte model) and ``config`` (section); the per-rank parameter
+counts from the flags, else the config's ``"m6"`` architecture (``ds_pseudo_real.moe.architecture``: dense layer,
+experts over ``m6.expert_parallel`` ranks, embeddings), else ``granular_offload.model``.
 """
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ import argparse
 import sys
 from typing import List, Optional
 
-from ds_pseudo_real.config import ConfigError, load_ds_config
-from ds_pseudo_real.offload.config import (
-    ACCELERATORS, BATCH_KEYS, ModelSize, explicit_levels, parse_granular_offload, training_setup,
-)
-from ds_pseudo_real.offload.planner import (
-    PlacementLevel, PlanError, describe_plan, format_bytes, parse_bytes, place, plan_placement, uniform_groups,
-)
+from ds_pseudo_real.config import ConfigError
+from ds_pseudo_real.models.sections import M6Section
+from ds_pseudo_real.offload.config import ACCELERATORS, ModelSize, planned_placement, training_setup
+from ds_pseudo_real.offload.planner import PlanError, describe_plan, format_bytes, parse_bytes, place, uniform_groups
+from ds_pseudo_real.run_config import RunConfig, load_ds_config
+from ds_pseudo_real.training_facts import BATCH_KEYS
 
 
 def _byte_arg(text: str) -> int:
@@ -32,8 +32,9 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def m6_model_size(raw, given: Optional[ModelSize]) -> ModelSize:
-    """Per-rank parameter counts of the ``"m6"`` section's architecture, experts as groups of their own.
+def m6_model_size(section: M6Section, given: Optional[ModelSize]) -> ModelSize:
+    """Per-rank parameter counts of the ``"m6"`` section's architecture, experts as groups of their own, spread
+    over ``m6.expert_parallel`` ranks (1 when not given).
 
     ``given`` (``granular_offload.model`` beside it) must count the same parameters, experts within
     ``layer_params`` or apart; its ``shared_groups`` is kept.
@@ -41,9 +42,13 @@ def m6_model_size(raw, given: Optional[ModelSize]) -> ModelSize:
     from ds_pseudo_real.moe import architecture as m6
 
     try:
-        arch, expert_parallel = m6.parse_m6_section(raw)
+        arch = section.architecture()
     except (ValueError, TypeError) as error:
         raise ConfigError(f"invalid config:\n  {error}") from None
+    expert_parallel = section.expert_parallel or 1
+    if arch.num_experts % expert_parallel:
+        raise ConfigError(f"invalid config:\n  m6.expert_parallel: got {expert_parallel!r}; it must divide the "
+                          f"{arch.num_experts} experts")
     derived = ModelSize(num_layers=arch.num_layers, layer_params=m6.dense_parameters_per_layer(arch),
                         expert_params=m6.expert_parameters_per_layer(arch, expert_parallel),
                         expert_parallel=expert_parallel, other_params=m6.embedding_parameters(arch),
@@ -88,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        ds_config = load_ds_config(args.config)
+        ds_config = load_ds_config(args.config)  # the flags below replace its keys before it is read
         if args.device_memory is not None:
             ds_config.setdefault("granular_offload", {})
             ds_config["granular_offload"].pop("levels", None)
@@ -99,12 +104,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             for key in BATCH_KEYS:
                 ds_config.pop(key, None)
             ds_config["gradient_accumulation_steps"] = args.gradient_accumulation
-        section = parse_granular_offload(ds_config)
+        config = RunConfig.load(ds_config, world_size=args.world_size)
+        section = config.granular_offload
         if section is None:
             raise ConfigError(f"{args.config}: no enabled granular_offload section and no --device-memory given")
         model = section.model
-        if "m6" in ds_config:
-            model = m6_model_size(ds_config["m6"], section.model)
+        if isinstance(config.model, M6Section):
+            model = m6_model_size(config.model, section.model)
             print(f"model: the m6 section ({model.num_layers} layers of {model.layer_params:,} dense + "
                   f"{model.expert_params:,} expert parameters per rank, experts over {model.expert_parallel} ranks)")
         num_layers = args.num_layers or (model.num_layers if model else None)
@@ -124,16 +130,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ConfigError(f"invalid config:\n  expert_parallel: got {expert_parallel}; it must divide the "
                               f"world size ({args.world_size})")
         groups = uniform_groups(num_layers, layer_params, other, shared, experts, args.world_size // expert_parallel)
-        setup = training_setup(ds_config, section, args.world_size, num_layers, args.accelerator)
+        setup = training_setup(section, config.training, num_layers, args.accelerator)
         resident = place(groups, {}, setup, section.device_memory)
         print(f"without offload: device {format_bytes(resident.device_bytes)} per rank"
               + ("" if section.device_memory is None else
                  f" ({'fits' if resident.fits() else 'does not fit'} {format_bytes(section.device_memory)})"))
         try:
-            if section.levels is not None:
-                plan = place(groups, explicit_levels(section, groups), setup)
-            else:
-                plan = plan_placement(groups, setup, section.device_memory, PlacementLevel(section.max_level))
+            plan = planned_placement(section, groups, setup)
         except PlanError as error:
             if error.plan is not None:
                 furthest = "placement" if section.levels is not None else "furthest placement"

@@ -1,9 +1,9 @@
 """The ``granular_offload`` section of a DeepSpeed JSON config, and what the planner reads from the rest of it.
 
 Owns: the pydantic model of the section (validated like DeepSpeed's own sections, errors through
-``ds_pseudo_real.config``), and turning a DeepSpeed config + world size into the planner's ``TrainingSetup``,
-with DeepSpeed 0.19.8's defaults for what it reads from ``zero_optimization`` and its rule for the micro-batches per
-optimizer step. Must not build models, optimizers or engines.
+``ds_pseudo_real.config``), turning it and the run's ``TrainingFacts`` into the planner's ``TrainingSetup`` (with
+DeepSpeed 0.19.8's defaults for the gradient bucket keys it reads from ``zero_optimization``), and the placement the
+section asks for. Must not build models, optimizers or engines.
 
     "granular_offload": {
         "device_memory": "32GB",          # plan within this budget per device (int bytes, "GB" = 1e9, "GiB" = 2**30)
@@ -26,18 +26,19 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from ds_pseudo_real.config import ConfigError, SectionModel, validate_section
+from ds_pseudo_real.config import ConfigError, SectionModel, optional_section
 from ds_pseudo_real.offload.planner import (
     DEFAULT_CPU_ADAM_PARAMS_PER_S, DEFAULT_PCIE_BYTES_PER_S, DEFAULT_RESERVED_BYTES, DTYPE_BYTES, EXPERTS, OTHER,
-    STREAM_POOL_BYTES, GroupSize, PlacementLevel, PlanError, TrainingSetup, estimate_activation_bytes, parse_bytes,
+    STREAM_POOL_BYTES, GroupSize, OffloadPlan, PlacementLevel, PlanError, TrainingSetup, estimate_activation_bytes,
+    parse_bytes, place, plan_placement,
 )
+from ds_pseudo_real.training_facts import TrainingFacts
 
 SECTION = "granular_offload"
 ACCELERATORS = ("cuda", "cpu")
 # zero_optimization defaults of DeepSpeed 0.19.8 (runtime/zero/config.py) that the byte model reads
 REDUCE_BUCKET_SIZE = 500_000_000
 CONTIGUOUS_GRADIENTS = True
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 class ActivationEstimate(SectionModel):
@@ -117,18 +118,7 @@ class GranularOffloadConfig(SectionModel):
 
 def parse_granular_offload(ds_config: Mapping[str, Any]) -> Optional[GranularOffloadConfig]:
     """The validated section, or None when it is absent or ``enabled`` is false."""
-    if SECTION not in ds_config:
-        return None
-    section = validate_section(GranularOffloadConfig, SECTION, ds_config[SECTION])
-    return section if section.enabled else None
-
-
-def deepspeed_offloads(ds_config: Mapping[str, Any]) -> List[str]:
-    """The keys of ``zero_optimization`` by which DeepSpeed moves state off the device (``offload_optimizer``,
-    ``offload_param``; each a section or a bare device name), where their device is other than "none"."""
-    zero = ds_config.get("zero_optimization") or {}
-    return [key for key in ("offload_optimizer", "offload_param") if zero.get(key) and (
-        zero[key].get("device", "none") if isinstance(zero[key], Mapping) else zero[key]) != "none"]
+    return optional_section(GranularOffloadConfig, SECTION, ds_config)
 
 
 def _zero_key(zero: Mapping[str, Any], key: str, default: Any, kind: type) -> Any:
@@ -145,37 +135,6 @@ def _zero_key(zero: Mapping[str, Any], key: str, default: Any, kind: type) -> An
     raise ConfigError(f"invalid config:\n  zero_optimization.{key}: got {value!r}; accepted: {accepted}")
 
 
-def gradient_accumulation_steps(ds_config: Mapping[str, Any], world_size: int) -> int:
-    """Micro-batches per optimizer step, as DeepSpeed 0.19.8 derives them (``runtime/config.py``
-    ``_set_batch_related_parameters``, ``_batch_assertion``): the key left out of ``train_batch_size`` = micro batch x
-    ``gradient_accumulation_steps`` x ``world_size`` follows from the other two (1 when only one batch size is
-    given), and all three must agree. Without ``train_batch_size``, ``gradient_accumulation_steps`` or 1 (DeepSpeed
-    also wants a batch size, which the plan does not need)."""
-    given = {}
-    for key in BATCH_KEYS:
-        value = ds_config.get(key)
-        if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"invalid config:\n  {key}: got {value!r}; accepted: an integer >= 1")
-            given[key] = value
-    batch, micro, steps = (given.get(key) for key in BATCH_KEYS)
-    if batch is None or world_size < 1:  # TrainingSetup refuses a data-parallel size < 1
-        return steps or 1
-    if micro is None:
-        steps = steps or 1
-        micro = batch // world_size // steps
-    elif steps is None:
-        steps = batch // micro // world_size
-    if batch != micro * steps * world_size:
-        derived = {key: " (derived)" if key not in given else "" for key in BATCH_KEYS}
-        raise ConfigError(
-            f"invalid config:\n  train_batch_size: got {batch}, but train_micro_batch_size_per_gpu {micro}"
-            f"{derived['train_micro_batch_size_per_gpu']} x gradient_accumulation_steps {steps}"
-            f"{derived['gradient_accumulation_steps']} x data-parallel size {world_size} = "
-            f"{micro * steps * world_size}; accepted: train_batch_size equal to that product, as DeepSpeed requires")
-    return steps
-
-
 def default_accelerator() -> str:
     """The accelerator this process runs on, as the offload optimizer sees it (CUDA when torch finds it)."""
     import torch
@@ -183,11 +142,11 @@ def default_accelerator() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig, world_size: int,
-                   num_layers: int, accelerator: Optional[str] = None) -> TrainingSetup:
-    """Read dtype, ZeRO stage, DeepSpeed's reduce bucket and the micro-batches per optimizer step
-    (:func:`gradient_accumulation_steps`) from the DeepSpeed config; data-parallel size is ``world_size`` (no model
-    parallel).
+def training_setup(section: GranularOffloadConfig, training: TrainingFacts, num_layers: int,
+                   accelerator: Optional[str] = None) -> TrainingSetup:
+    """The planner's view of the run: dtype, ZeRO stage, data-parallel size and micro-batches per optimizer step
+    from ``training``, DeepSpeed's reduce bucket from its ``zero_optimization`` keys, and the section's own figures
+    (the activation estimate for ``num_layers`` layers).
 
     ``accelerator`` (default: this process's, ``default_accelerator()``): ``"cuda"`` counts the overheads only a
     CUDA device has: the ``reserved`` default, pinned host buffers in whole pages (with ``pin_memory``; without it
@@ -199,16 +158,13 @@ def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig,
     if accelerator not in ACCELERATORS:
         raise ValueError(f"accelerator: got {accelerator!r}, accepted: {list(ACCELERATORS)}")
     cuda = accelerator == "cuda"
-    zero = ds_config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0)
-    offloads = deepspeed_offloads(ds_config)
-    if offloads:
-        key = offloads[0]
-        raise ConfigError(f"invalid config:\n  zero_optimization.{key}: got {zero[key]!r}, but {SECTION} places "
+    if training.deepspeed_offloads:
+        key, value = next(iter(training.deepspeed_offloads.items()))
+        raise ConfigError(f"invalid config:\n  zero_optimization.{key}: got {value!r}, but {SECTION} places "
                           f"optimizer state and parameters itself; accepted: absent or {{\"device\": \"none\"}}")
-    if (ds_config.get("fp16") or {}).get("enabled"):
+    if training.dtype == "fp16":
         raise ConfigError(f"invalid config:\n  fp16.enabled: got True; {SECTION} supports fp32 and bf16.enabled")
-    dtype = "bf16" if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled") else "fp32"
+    dtype, stage, zero = training.dtype, training.zero_stage, training.zero_optimization
     if section.activations is not None:
         a = section.activations
         activation = estimate_activation_bytes(a.micro_batch, a.seq_len, a.hidden, a.heads, num_layers, dtype,
@@ -220,16 +176,27 @@ def training_setup(ds_config: Mapping[str, Any], section: GranularOffloadConfig,
         buffers = 2 if _zero_key(zero, "overlap_comm", False, bool) else 1  # DeepSpeed: None -> stage == 3
         reduce_bucket = buffers * _zero_key(zero, "reduce_bucket_size", REDUCE_BUCKET_SIZE, int) * DTYPE_BYTES[dtype]
     reserved = section.reserved if section.reserved is not None else (DEFAULT_RESERVED_BYTES if cuda else 0)
-    accumulation = gradient_accumulation_steps(ds_config, world_size)
+    accumulation = training.gradient_accumulation_steps
     try:
         return TrainingSetup(
-            dtype, stage, world_size, activation, reserved, reduce_bucket_bytes=reduce_bucket,
+            dtype, stage, training.data_parallel_size, activation, reserved, reduce_bucket_bytes=reduce_bucket,
             stream_pool_bytes=STREAM_POOL_BYTES if cuda else 0, pinned_host=cuda and section.pin_memory,
             pageable_copies=cuda and not section.pin_memory,
             host_memory_bytes=section.host_memory, pcie_bytes_per_s=section.pcie_gb_per_s * 1e9,
             cpu_adam_params_per_s=section.cpu_adam_params_per_s, gradient_accumulation_steps=accumulation)
     except PlanError as error:
         raise ConfigError(f"invalid config:\n  {error}") from None
+
+
+def planned_placement(section: GranularOffloadConfig, groups: Sequence[GroupSize], setup: TrainingSetup,
+                      num_layers: Optional[int] = None) -> OffloadPlan:
+    """The placement the section asks for: its explicit ``levels`` (:func:`explicit_levels`), else the planner's
+    within ``device_memory`` up to ``max_level``. Raises :class:`PlanError` (with the furthest placement tried)
+    when it does not fit."""
+    if section.levels is not None:
+        levels = explicit_levels(section, groups, num_layers)
+        return place(groups, levels, setup)
+    return plan_placement(groups, setup, section.device_memory, PlacementLevel(section.max_level))
 
 
 def explicit_levels(section: GranularOffloadConfig, groups: Sequence[GroupSize],

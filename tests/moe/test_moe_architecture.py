@@ -66,16 +66,14 @@ def test_layer_counts_feed_the_offload_planner():
 
 @pytest.mark.parametrize("name", ["m6_tiny", "m6_1t_like", "m6_10t"])
 def test_m6_configs_agree_with_the_architecture(name):
-    import json
     from pathlib import Path
 
-    from ds_pseudo_real.config import parse_pseudo_to_real, validate_section
-    from ds_pseudo_real.offload.config import GranularOffloadConfig
+    from ds_pseudo_real.run_config import RunConfig
 
-    raw = json.loads((Path(__file__).resolve().parents[2] / "configs" / f"{name}.json").read_text())
-    arch, expert_parallel = m6.parse_m6_section(raw["m6"])
-    assert parse_pseudo_to_real(raw).enabled
-    offload = validate_section(GranularOffloadConfig, "granular_offload", raw["granular_offload"])
+    config = RunConfig.load(Path(__file__).resolve().parents[2] / "configs" / f"{name}.json")
+    arch, expert_parallel = config.model.architecture(), config.model.expert_parallel or 1
+    assert config.pseudo_to_real.enabled
+    offload = config.granular_offload
     assert offload.model.num_layers == arch.num_layers
     assert offload.model.layer_params == m6.layer_parameters(arch, expert_parallel)
     assert offload.model.other_params == m6.embedding_parameters(arch)

@@ -9,6 +9,12 @@ from ds_pseudo_real.cli import main as cli_main
 from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.offload.config import explicit_levels, parse_granular_offload, training_setup
 from ds_pseudo_real.offload.planner import PlacementLevel, uniform_groups
+from ds_pseudo_real.training_facts import TrainingFacts
+
+
+def setup_for(ds_config, section, world_size, num_layers, accelerator=None):
+    """The planner's setup for ``section`` on the run a DeepSpeed config describes on ``world_size`` ranks."""
+    return training_setup(section, TrainingFacts.from_deepspeed(ds_config, world_size), num_layers, accelerator)
 
 
 def test_absent_or_disabled_section_is_none():
@@ -28,29 +34,29 @@ def test_setup_counts_cuda_overheads_with_deepspeeds_defaults():
     section = parse_granular_offload({"granular_offload": {"device_memory": 1, "host_memory": 1000,
                                                            "pcie_gb_per_s": 25, "cpu_adam_params_per_s": 1e9}})
     bf16_zero2 = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
-    setup = training_setup(bf16_zero2, section, 8, 4, "cuda")
+    setup = setup_for(bf16_zero2, section, 8, 4, "cuda")
     # DeepSpeed 0.19.8: reduce_bucket_size 5e8 elements of the bf16 gradient (2 B), one buffer (overlap_comm off
     # below stage 3); 1 GiB reserved; 22 MiB per side stream; pinned host buffers
     assert (setup.reduce_bucket_bytes, setup.reserved_bytes, setup.stream_pool_bytes) == (10**9, 2**30, 22 * 2**20)
     assert (setup.pinned_host, setup.host_memory_bytes) == (True, 1000)
     assert (setup.pcie_bytes_per_s, setup.cpu_adam_params_per_s) == (25e9, 1e9)
     overlap = {"zero_optimization": {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 1e6}}
-    assert training_setup(overlap, section, 8, 4, "cuda").reduce_bucket_bytes == 2 * 10**6 * 4  # two fp32 buffers
+    assert setup_for(overlap, section, 8, 4, "cuda").reduce_bucket_bytes == 2 * 10**6 * 4  # two fp32 buffers
     no_bucket = {"zero_optimization": {"stage": 2, "contiguous_gradients": False}}
-    assert training_setup(no_bucket, section, 8, 4, "cuda").reduce_bucket_bytes == 0
-    assert training_setup({"zero_optimization": {"stage": 0}}, section, 8, 4, "cuda").reduce_bucket_bytes == 0
+    assert setup_for(no_bucket, section, 8, 4, "cuda").reduce_bucket_bytes == 0
+    assert setup_for({"zero_optimization": {"stage": 0}}, section, 8, 4, "cuda").reduce_bucket_bytes == 0
     # a CPU-only run: no CUDA context to reserve for, nothing pinned, no streams; the bucket's pages are not
     # committed until written
-    cpu = training_setup(bf16_zero2, section, 8, 4, "cpu")
+    cpu = setup_for(bf16_zero2, section, 8, 4, "cpu")
     assert (cpu.reduce_bucket_bytes, cpu.reserved_bytes, cpu.stream_pool_bytes, cpu.pinned_host) == (0, 0, 0, False)
     unpinned = parse_granular_offload({"granular_offload": {"device_memory": 1, "pin_memory": False, "reserved": 5}})
-    assert (training_setup(bf16_zero2, unpinned, 8, 4, "cuda").pinned_host,
-            training_setup(bf16_zero2, unpinned, 8, 4, "cuda").reserved_bytes) == (False, 5)
+    assert (setup_for(bf16_zero2, unpinned, 8, 4, "cuda").pinned_host,
+            setup_for(bf16_zero2, unpinned, 8, 4, "cuda").reserved_bytes) == (False, 5)
     with pytest.raises(ConfigError, match=r"zero_optimization.reduce_bucket_size: got 'big'; accepted: an element "
                                           r"count > 0, e\.g\. 500000000 or 5e8"):
-        training_setup({"zero_optimization": {"stage": 1, "reduce_bucket_size": "big"}}, section, 1, 4, "cuda")
+        setup_for({"zero_optimization": {"stage": 1, "reduce_bucket_size": "big"}}, section, 1, 4, "cuda")
     with pytest.raises(ConfigError, match=r"zero_optimization.overlap_comm: got 1; accepted: true or false"):
-        training_setup({"zero_optimization": {"stage": 1, "overlap_comm": 1}}, section, 1, 4, "cuda")
+        setup_for({"zero_optimization": {"stage": 1, "overlap_comm": 1}}, section, 1, 4, "cuda")
 
 
 
@@ -67,7 +73,7 @@ def test_the_plan_says_the_copies_are_synchronous_with_pin_memory_false_on_cuda(
     for pin, accelerator, offloaded, said in ((False, "cuda", levels, True), (True, "cuda", levels, False),
                                               (False, "cpu", levels, False), (False, "cuda", {}, False)):
         section = parse_granular_offload({"granular_offload": {"device_memory": 1, "pin_memory": pin}})
-        setup = training_setup({"zero_optimization": {"stage": 1}}, section, 1, 2, accelerator)
+        setup = setup_for({"zero_optimization": {"stage": 1}}, section, 1, 2, accelerator)
         assert (note in describe_plan(place(groups, offloaded, setup))) == said, (pin, accelerator, offloaded)
 
 
@@ -75,7 +81,7 @@ def test_setup_reads_gradient_accumulation_as_deepspeed_derives_it():
     section = parse_granular_offload({"granular_offload": {"device_memory": 1}})
 
     def accumulation(**batch_keys):
-        return training_setup(batch_keys, section, 8, 4, "cpu").gradient_accumulation_steps
+        return setup_for(batch_keys, section, 8, 4, "cpu").gradient_accumulation_steps
 
     assert accumulation() == accumulation(train_micro_batch_size_per_gpu=2) == accumulation(train_batch_size=16) == 1
     assert accumulation(gradient_accumulation_steps=4) == 4
@@ -115,12 +121,12 @@ def test_errors_name_key_value_and_accepted(raw, expected):
 
 def test_setup_from_deepspeed_config_and_conflicts():
     section = parse_granular_offload({"granular_offload": {"device_memory": 10, "activation_bytes": 77}})
-    setup = training_setup({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, section, 8, 4)
+    setup = setup_for({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, section, 8, 4)
     assert (setup.dtype, setup.zero_stage, setup.dp_size, setup.activation_bytes) == ("bf16", 2, 8, 77)
     with pytest.raises(ConfigError, match=r"zero_optimization.offload_optimizer: got \{'device': 'cpu'\}"):
-        training_setup({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, section, 1, 4)
+        setup_for({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, section, 1, 4)
     with pytest.raises(ConfigError, match="zero_optimization.stage: got 3, granular offload accepts 0, 1, 2"):
-        training_setup({"zero_optimization": {"stage": 3}}, section, 1, 4)
+        setup_for({"zero_optimization": {"stage": 3}}, section, 1, 4)
 
 
 def test_explicit_levels_list_and_dict():

@@ -1,0 +1,108 @@
+"""What DeepSpeed's own sections decide about the run, read once with DeepSpeed 0.19.8's rules.
+
+Owns: ``TrainingFacts`` (ZeRO stage, working dtype, data-parallel size, DeepSpeed's own offloads, model-parallel
+sizes, micro batch and gradient accumulation) from a DeepSpeed config dict. Must not validate what DeepSpeed
+validates itself, nor read the plugin's sections.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+
+from .config import ConfigError
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _read_only(mapping: Any) -> Mapping[str, Any]:
+    return MappingProxyType(dict(mapping or {}))
+
+
+@dataclass(frozen=True)
+class TrainingFacts:
+    """The run as DeepSpeed will set it up on ``data_parallel_size`` ranks.
+
+    ``micro_batch`` and ``gradient_accumulation_steps`` are derived when first read (they can refuse the config,
+    and only the main job and granular offload need them): DeepSpeed checks its batch keys itself otherwise.
+    """
+
+    data_parallel_size: int
+    zero_stage: int = 0
+    dtype: str = "fp32"  # the working dtype: "bf16", "fp16" or "fp32"
+    # zero_optimization's offload keys whose device is other than "none", as given
+    deepspeed_offloads: Mapping[str, Any] = field(default_factory=dict)
+    tensor_parallel_size: int = 1  # tensor_parallel.autotp_size
+    sequence_parallel_size: int = 1
+    # as given: granular offload's planner reads DeepSpeed's gradient bucket keys from it (offload.config)
+    zero_optimization: Mapping[str, Any] = field(default_factory=dict)
+    batch: Mapping[str, Any] = field(default_factory=dict)  # the given ones of BATCH_KEYS
+
+    @classmethod
+    def from_deepspeed(cls, ds_config: Mapping[str, Any], data_parallel_size: int) -> "TrainingFacts":
+        zero = ds_config.get("zero_optimization") or {}
+        bf16 = (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled")  # DeepSpeed takes both
+        dtype = "bf16" if bf16 else "fp16" if (ds_config.get("fp16") or {}).get("enabled") else "fp32"
+        offloads = {key: zero[key] for key in OFFLOAD_KEYS if zero.get(key) and (
+            zero[key].get("device", "none") if isinstance(zero[key], Mapping) else zero[key]) != "none"}
+        return cls(
+            data_parallel_size=data_parallel_size,
+            zero_stage=zero.get("stage", 0),
+            dtype=dtype,
+            deepspeed_offloads=_read_only(offloads),
+            tensor_parallel_size=(ds_config.get("tensor_parallel") or {}).get("autotp_size", 1),
+            sequence_parallel_size=ds_config.get("sequence_parallel_size", 1),
+            zero_optimization=_read_only(zero),
+            batch=_read_only({key: ds_config[key] for key in BATCH_KEYS if ds_config.get(key) is not None}),
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype DeepSpeed trains the model's parameters in."""
+        return TORCH_DTYPES[self.dtype]
+
+    @cached_property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step, as DeepSpeed 0.19.8 derives them (``runtime/config.py``
+        ``_set_batch_related_parameters``, ``_batch_assertion``): the key left out of ``train_batch_size`` = micro
+        batch x ``gradient_accumulation_steps`` x data-parallel size follows from the other two (1 when only one
+        batch size is given), and all three must agree. Without ``train_batch_size``, ``gradient_accumulation_steps``
+        or 1 (DeepSpeed also wants a batch size, which the offload plan does not need)."""
+        for key, value in self.batch.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"invalid config:\n  {key}: got {value!r}; accepted: an integer >= 1")
+        batch, micro, steps = (self.batch.get(key) for key in BATCH_KEYS)
+        world_size = self.data_parallel_size
+        if batch is None or world_size < 1:  # TrainingSetup refuses a data-parallel size < 1
+            return steps or 1
+        if micro is None:
+            steps = steps or 1
+            micro = batch // world_size // steps
+        elif steps is None:
+            steps = batch // micro // world_size
+        if batch != micro * steps * world_size:
+            derived = {key: " (derived)" if key not in self.batch else "" for key in BATCH_KEYS}
+            raise ConfigError(
+                f"invalid config:\n  train_batch_size: got {batch}, but train_micro_batch_size_per_gpu {micro}"
+                f"{derived['train_micro_batch_size_per_gpu']} x gradient_accumulation_steps {steps}"
+                f"{derived['gradient_accumulation_steps']} x data-parallel size {world_size} = "
+                f"{micro * steps * world_size}; accepted: train_batch_size equal to that product, as DeepSpeed "
+                f"requires")
+        return steps
+
+    @cached_property
+    def micro_batch(self) -> int:
+        """The micro batch per rank: ``train_micro_batch_size_per_gpu``, else derived from ``train_batch_size``."""
+        steps = self.gradient_accumulation_steps
+        micro = self.batch.get("train_micro_batch_size_per_gpu")
+        if micro is not None:
+            return micro
+        if self.batch.get("train_batch_size") is None:
+            raise ConfigError("invalid config:\n  train_micro_batch_size_per_gpu: missing; give it or "
+                              "train_batch_size (DeepSpeed needs one)")
+        return self.batch["train_batch_size"] // (steps * self.data_parallel_size)
