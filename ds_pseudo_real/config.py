@@ -168,6 +168,7 @@ class PseudoToRealConfig(SectionModel):
                                   f"group into equal runs of consecutive layers")
         return stages
 
+    @property
     def triggers(self) -> List[SwitchTrigger]:
         """The trigger of every transition, in order."""
         if self.schedule is None:

@@ -15,7 +15,7 @@ from .checkpoint_io import CheckpointIO
 from .config import SECTION, PlateauMetric
 from .device import use_rank_device
 from .rank0 import log_rank0
-from .pipeline import stage_builder_class
+from .pipeline import stage_builder
 from .run_config import RunConfig
 from .transition import StageTransitionCallback, lr_factor
 
@@ -81,12 +81,11 @@ class PseudoToRealController:
         self.run_config = config
         self.config = ptr_config = config.pseudo_to_real
         self.ds_config, self.checkpoint_options = config.deepspeed, config.checkpoint
-        self._triggers = ptr_config.triggers()
+        self._triggers = ptr_config.triggers
         self._pseudo_lr_scale, self._rewarmup_steps = ptr_config.pseudo_lr_scale, ptr_config.rewarmup_steps
         self._track_train_loss = ptr_config.enabled and any(
             t.on_plateau is not None and t.on_plateau.metric == PlateauMetric.TRAINING.value for t in self._triggers)
-        builder = stage_builder_class(model)  # a PipelineModule's, or the layer-list models'
-        self._stages = builder(model, ptr_config, config.granular_offload, config.training, config.deepspeed,
+        self._stages = stage_builder(model, ptr_config, config.granular_offload, config.training, config.deepspeed,
                                optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                                mpu=mpu, step_hooks=(self._scale_lr, self._unscale_lr))
         self.layer_path, self.num_layers = self._stages.layer_path, self._stages.num_layers

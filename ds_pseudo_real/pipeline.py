@@ -9,7 +9,7 @@ touch DeepSpeed's internals (``ds_state.pipeline`` does) nor checkpoints.
 from __future__ import annotations
 
 import re
-from typing import Iterator, List, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -20,6 +20,10 @@ from .device import rank_device
 from .ds_state import pipeline as ds_pipeline
 from .sharing import group_leader
 from .stages import StageBuilder, fill_from
+from .training_facts import TrainingFacts
+
+if TYPE_CHECKING:
+    from .offload.config import GranularOffloadConfig
 
 TYPE_PREFIX = "type:"
 # Where a layer's parameters sit in the names the delink maps: ``layers.<layer>.<its own name>``, whether the module
@@ -161,7 +165,7 @@ class PipelineStageBuilder(StageBuilder):
         if self.depth < self.num_layers:
             raise ConfigError(f"pseudo_to_real.schedule[0].depth: got {self.depth}; a PipelineModule's layers are "
                               f"partitioned into stages once, so it grows no layers: give 'groups' instead")
-        if any(trigger.at_tokens is not None for trigger in ptr_config.triggers()):
+        if any(trigger.at_tokens is not None for trigger in ptr_config.triggers):
             raise ConfigError("pseudo_to_real: at_tokens is not supported with a PipelineModule, whose batches only "
                               "its first and last stages read (train_batch): switch at_step or on_plateau")
 
@@ -196,9 +200,14 @@ class PipelineStageBuilder(StageBuilder):
         return loader
 
 
-def stage_builder_class(model: nn.Module) -> type:
-    """The stage builder for ``model``: a PipelineModule's, or the layer-list models' one."""
-    return PipelineStageBuilder if ds_state.is_pipeline_module(model) else StageBuilder
+def stage_builder(model: nn.Module, ptr_config: PseudoToRealConfig,
+                  granular_offload: Optional[GranularOffloadConfig], training: TrainingFacts,
+                  ds_config: Dict[str, Any], **options) -> StageBuilder:
+    """The stage builder for ``model``: a PipelineModule's, or the layer-list models' one (``options``: the
+    keyword arguments of :class:`~ds_pseudo_real.stages.StageBuilder`)."""
+    if ds_state.is_pipeline_module(model):
+        return PipelineStageBuilder(model, ptr_config, granular_offload, training, ds_config, **options)
+    return StageBuilder(model, ptr_config, granular_offload, training, ds_config, **options)
 
 
 def model_parallel_unit(model: nn.Module, mpu=None):
@@ -210,4 +219,4 @@ def model_parallel_unit(model: nn.Module, mpu=None):
 
 
 __all__: Sequence[str] = ["PipelineStageBuilder", "layer_indices", "mapped_name", "model_parallel_unit",
-                          "stage_specs", "stage_builder_class"]
+                          "stage_specs", "stage_builder"]

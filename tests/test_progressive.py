@@ -54,9 +54,9 @@ def test_schedule_groups_must_divide_and_split():
                                           r"multiple of the previous stage's \(2\)"):
         ptr.stage_groups(12)
     ok = parse_pseudo_to_real({"pseudo_to_real": {"schedule": SCHEDULE}})
-    assert ok.stage_groups(4) == [1, 2, 4] and [t.at_step for t in ok.triggers()] == [3, 5]
+    assert ok.stage_groups(4) == [1, 2, 4] and [t.at_step for t in ok.triggers] == [3, 5]
     legacy = parse_pseudo_to_real({"pseudo_to_real": {"groups": 2, "switch": {"at_step": 7}}})
-    assert legacy.stage_groups(4) == [2, 4] and [t.at_step for t in legacy.triggers()] == [7]
+    assert legacy.stage_groups(4) == [2, 4] and [t.at_step for t in legacy.triggers] == [7]
 
 
 class Probe(BeforeDelink):
