@@ -13,18 +13,32 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Files (scopes) that take minutes on 2 cores, slowest first: the scheduler below starts them first, so that no
+# worker is left with one of them at the end while the other is idle. Any other file goes after these, the files
+# with the most tests first.
+SLOW_FIRST = ["tests/slurm", "tests/megatron/test_megatron_run.py", "tests/megatron/test_megatron_layouts.py",
+              "tests/test_nvme_offload.py", "tests/test_main_job.py", "tests/test_data.py",
+              "tests/offload/test_optimizer.py", "tests/test_checkpoints.py", "tests/test_ds_delink.py",
+              "tests/test_recompute_main_job.py", "tests/test_resume_logs.py"]
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (.ci/run runs ``-n 2``): a test file stays on one worker, so that its module fixtures
     (trained engines, launched runs) are built once, and the SLURM files share one worker, since their jobs share the
-    clusters' few CPUs and would otherwise queue behind each other's time limits. Files with the most tests go
-    first."""
+    clusters' few CPUs and would otherwise queue behind each other's time limits. ``SLOW_FIRST`` go first."""
     from xdist.scheduler import LoadScopeScheduling
 
     class FileScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return "tests/slurm" if path.startswith("tests/slurm/") else path
+
+        def _assign_work_unit(self, node) -> None:
+            slow = [scope for scope in SLOW_FIRST if scope in self.workqueue]
+            if slow:
+                self.workqueue.move_to_end(slow[0], last=False)
+            super()._assign_work_unit(node)
 
     return FileScheduling(config, log)
 
