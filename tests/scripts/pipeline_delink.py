@@ -272,7 +272,9 @@ if __name__ == "__main__":
         try:
             ds_pseudo_real.initialize(model=pipeline_module(), config=refused)
         except ConfigError as error:
-            print(f"REFUSED {json.dumps({'rank': dist.get_rank(), 'message': str(error)})}", flush=True)
+            # One write per line (print writes the newline apart): both ranks print at once, into one pipe
+            sys.stdout.write(f"REFUSED {json.dumps({'rank': dist.get_rank(), 'message': str(error)})}\n")
+            sys.stdout.flush()
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # as delink_matrix: no interpreter teardown, where a gloo thread can abort a rank after a pass
