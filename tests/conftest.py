@@ -1,6 +1,5 @@
 """Shared test set-up: one fixed C++ extension cache, a single-process distributed environment, helpers to run
 2-rank jobs on gloo."""
-import functools
 import os
 import socket
 import subprocess
@@ -63,22 +62,15 @@ def single_process_dist_env():
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def deepspeed_ops(request):
-    """Build (or load from TORCH_EXTENSIONS_DIR) DeepSpeed's CPU ops once per worker, before the first module's
-    fixtures and tests that may need them (an autouse fixture comes first in its scope), so that 2-rank
-    subprocesses never compile the same op at the same time. Megatron-LM's tests load none: they start without
-    waiting for a build in progress (.ci/run builds the ops beside the first tests)."""
-    if "megatron" not in request.path.parts:
-        _load_deepspeed_ops()
-
-
-@functools.lru_cache(maxsize=None)
-def _load_deepspeed_ops() -> None:
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_ops():
+    """Build (or load from TORCH_EXTENSIONS_DIR) DeepSpeed's CPU ops once, before any test or rank needs them,
+    so that 2-rank subprocesses never compile the same op at the same time."""
     from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder
 
     for builder in (CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder):
         builder().load(verbose=False)
+    yield
 
 
 def run_main_job(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
