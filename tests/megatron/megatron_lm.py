@@ -103,8 +103,9 @@ def train(nproc: int, *flags: str, cwd: Path) -> Log:
 
 class Sequence:
     """Runs of ``pretrain_gpt.py`` through the drop-in, launched together (workers/run_sequence.py: one launch, one
-    process per rank for all of them; the same losses as one launch each): ``train`` and ``resume_from`` add a
-    run, ``logs`` launches them all and returns each run's ``Log`` by name."""
+    process per rank for all of them): ``train`` and ``resume_from`` add a run, ``logs`` launches them all and returns
+    each run's ``Log`` by name. Nothing of one run reaches the next: test_megatron_run's async run, last in its
+    launch, prints the first run's losses exactly."""
 
     def __init__(self, nproc: int, cwd: Path):
         self.nproc, self.cwd, self.steps = nproc, cwd, []
