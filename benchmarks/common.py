@@ -11,7 +11,6 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import time
@@ -29,10 +28,10 @@ def init_single_process(threads: Optional[int] = None) -> None:
     if threads:
         torch.set_num_threads(threads)
     if "RANK" not in os.environ:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        from ds_pseudo_real.ports import rendezvous_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(rendezvous_port()))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
     import deepspeed
     import torch.distributed as dist

@@ -227,11 +227,9 @@ def measure_build() -> Dict[str, int]:
 
 
 def free_port() -> int:
-    import socket
+    from ds_pseudo_real.ports import rendezvous_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return rendezvous_port()
 
 
 def run_case(model: str, world: int, zero: int, policy: str, size: str, timeout: float, dtype: str = "fp32",

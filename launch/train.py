@@ -234,12 +234,10 @@ def single_process_defaults() -> None:
     so DeepSpeed does not fall back to MPI discovery."""
     if "RANK" in os.environ:
         return
-    import socket
+    from ds_pseudo_real.ports import rendezvous_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(rendezvous_port()))
 
 
 @dataclass

@@ -1,12 +1,13 @@
 """Shared test set-up: one fixed C++ extension cache, a single-process distributed environment, helpers to run
 2-rank jobs on gloo."""
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ds_pseudo_real.ports import rendezvous_port
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
@@ -44,9 +45,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port for a job's rendezvous, below the range the kernel numbers gloo's and every connection's ports from
+    (``ds_pseudo_real.ports``): the job binds it seconds later, after its imports."""
+    return rendezvous_port()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -32,8 +32,11 @@ needs_megatron_lm = pytest.mark.skipif(
             "pretrain_gpt.py") + ": these tests run Megatron-LM's own training script (a checkout of tag "
            "core_v0.16.1; CI sets ../shared/third_party/megatron-lm)")
 
-# What a CPU smoke run of Megatron-LM needs besides the model: gloo, and no fused kernels it cannot build.
-CPU = ["--distributed-backend", "gloo", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
+# What a CPU smoke run of Megatron-LM needs besides the model: gloo, no fused kernels it cannot build, and the
+# batches read in the rank's own process (Megatron's default forks 2 loader workers per run: forked from a process
+# that runs several runs, its threads from the runs before, a worker deadlocked once and the rank waited forever).
+CPU = ["--distributed-backend", "gloo", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+       "--num-workers", "0"]
 TINY = [*CPU, "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--transformer-impl", "local",
@@ -86,6 +89,12 @@ def launch(nproc: int, *program: str, cwd: Path, expect_ok: bool = True, env_ext
            timeout: float = 900) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), MEGATRON_LM or ""])})
+    # Megatron's fused functions (bias-GeLU, bias-dropout-add, ...) run eagerly: megatron.core.jit wraps them in
+    # torch.compile, which traces them again in every process and on the CPU builds them with the C++ compiler, about
+    # 5 s of CPU per rank for a run of the tiny model that trains in 3. The runs here compare with each other, all
+    # eager; the two-node SLURM test (tests/slurm/test_two_node_cluster.py) runs the drop-in with them compiled
+    # (env_extra={"TORCH_COMPILE_DISABLE": "0"} for a launch compared with it).
+    env["TORCH_COMPILE_DISABLE"] = "1"
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(free_port()), *program]

@@ -277,7 +277,8 @@ def test_megatron_drop_in_across_two_nodes(cluster, jobs, tmp_path):
     assert [int(n) for n in MEGATRON_PARAMS.findall(out["rank-0.log"])] == [68_544, 68_544 + 3 * 49_984]
     two_nodes_losses = megatron_losses(out["rank-1.log"])  # Megatron logs the loss on the last rank
     assert sorted(two_nodes_losses) == list(range(1, 7))
-    one_node = pretrain(2, *flags, cwd=tmp_path)
+    # compiled as in the job (the Megatron tests' launches run Megatron's fused functions eagerly)
+    one_node = pretrain(2, *flags, cwd=tmp_path, env_extra={"TORCH_COMPILE_DISABLE": "0"})
     assert two_nodes_losses == megatron_losses(one_node.stdout)
 
 

@@ -1,8 +1,8 @@
 """Several runs of a Megatron-LM training script through the drop-in in one launch, for the tests: each run as
 ``python -m megatron_patches.run SCRIPT FLAGS...`` makes it, one after the other in the same processes, with
 Megatron-LM's own teardown between them (``destroy_global_state``, as the drop-in's in-process layout switch uses);
-one gloo process group for all of them. One launch instead of one per run saves each run the start of the processes and their
-imports, and torch.compile's first compilations of Megatron's fused functions.
+one gloo process group for all of them. One launch instead of one per run saves each run the start of the processes
+and their imports.
 
 Usage: run_sequence.py STEPS.json, a list of steps in order:
   {"run": NAME, "argv": [SCRIPT, FLAG...]}   a run; its output starts with a line "=== run NAME" (stdout and stderr)
