@@ -1,8 +1,9 @@
-"""Shared test set-up: one fixed C++ extension cache, a single-process distributed environment, helpers to run
-2-rank jobs on gloo."""
+"""Shared test set-up: one fixed C++ extension cache, one py-cpuinfo answer per session, a single-process distributed
+environment, the PYTHONPATH of the processes tests start, helpers to run 2-rank jobs on gloo."""
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,24 @@ from ds_pseudo_real.ports import rendezvous_port
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# py-cpuinfo asked once per session, not by every process at every CPU Adam and op load (tests/site/cpuinfo_cache.py):
+# in the pytest processes and, through tests/site's sitecustomize on their PYTHONPATH, in every process they start.
+SITE = Path(__file__).resolve().parent / "site"
+sys.path.insert(0, str(SITE))
+import cpuinfo_cache  # noqa: E402
+
+if cpuinfo_cache.CACHE_ENV not in os.environ:  # the first pytest process of the session: its workers inherit it
+    os.environ[cpuinfo_cache.CACHE_ENV] = str(Path(tempfile.mkdtemp(prefix="ds_pseudo_real_cpuinfo_")) / "cpuinfo.json")
+cpuinfo_cache.install()
+
+
+def python_path(*more) -> str:
+    """The PYTHONPATH of a process a test starts: the repository, tests/site, then ``more``."""
+    return os.pathsep.join([str(REPO), str(SITE), *map(str, more)])
+
+
+os.environ["PYTHONPATH"] = python_path(*[entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                         if entry and entry not in (str(REPO), str(SITE))])
 
 
 # Files (scopes) that take minutes on 2 cores, slowest first: the scheduler below starts them first, so that no
@@ -77,7 +96,7 @@ def deepspeed_ops():
 def run_main_job(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
     """``launch/train.py ARGS`` in one process (the job's own single-rank defaults); fail the test with the output
     if it does not exit ``expect``."""
-    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=python_path())
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), *args], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == expect, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -88,10 +107,10 @@ def run_two_ranks(script: Path, *args: str, timeout: float = 600, env_extra=None
                   ) -> subprocess.CompletedProcess:
     """Run ``script`` on 2 (``ranks``) gloo ranks with torchrun; fail the test with the output if it exits non-zero."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
+    env["OMP_NUM_THREADS"] = "1"
     env.update(env_extra or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port()),
-           str(script), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+           str(free_port()), str(script), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")

@@ -16,7 +16,7 @@ import pytest
 
 from ds_pseudo_real import checkpoint as ckpt
 from ds_pseudo_real import run_lock
-from conftest import run_two_ranks
+from conftest import python_path, run_two_ranks
 from test_checkpoint_recovery import mount_tmpfs
 from test_checkpoints import SWITCH, TOTAL, make, train
 
@@ -123,7 +123,7 @@ def test_killed_during_the_background_write_the_previous_checkpoint_is_resumed(t
     """SIGKILL while the files of step 3 are being written (the writer is made slow): step 2's checkpoint stays the
     latest and verifies, and a new run resumes from it exactly, the partial folder removed."""
     script = SCRIPTS / "async_save_killed.py"
-    env = {**os.environ, "PYTHONPATH": f"{Path(__file__).parents[1]}{os.pathsep}{Path(__file__).parent}",
+    env = {**os.environ, "PYTHONPATH": python_path(Path(__file__).parent),
            "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(29000 + os.getpid() % 1000)}
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stdout=subprocess.PIPE,

@@ -20,7 +20,7 @@ from ds_pseudo_real import checkpoint as ckpt
 from ds_pseudo_real import ds_state, report, run_lock
 from ds_pseudo_real.config import ConfigError, split_checkpoint_options
 from ds_pseudo_real.report import MetricsLog, read_records, rewind_csv
-from conftest import run_two_ranks
+from conftest import python_path, run_two_ranks
 from test_checkpoints import TOTAL, logits, make, train
 
 SAVED_AT = (2, 3, 5, 6)  # pseudo, pseudo, real, real (the delink happens at step SWITCH = 4)
@@ -202,7 +202,7 @@ HOLD_LOCK = ("import sys; from ds_pseudo_real import run_lock; run_lock.acquire(
 
 
 def test_the_run_lock_refuses_a_second_process_naming_the_first_and_frees_with_it(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=python_path())
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path), "--flag"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=env)
     assert holder.stdout.readline() == "held\n"

@@ -12,7 +12,7 @@ import pytest
 from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.data import IndexedData, indexed_vocabulary, parse_data_section
 from ds_pseudo_real.report import read_records
-from conftest import REPO, free_port, run_two_ranks
+from conftest import REPO, free_port, python_path, run_two_ranks
 
 pytest.importorskip("megatron.core", reason="indexed data need megatron-core (the test extra installs it)")
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
@@ -31,7 +31,7 @@ def write_jsonl(path: Path, texts, key="text"):
 
 
 def cli(*args):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=python_path())
     return subprocess.run([sys.executable, "-m", "ds_pseudo_real.cli", *args], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
 
@@ -290,7 +290,7 @@ def test_main_job_refuses_a_model_vocabulary_smaller_than_the_data(tmp_path):
     cfg["m6"]["vocab_size"] = 200
     cfg["data"] = {"prefix": str(tmp_path / "w")}
     (tmp_path / "small.json").write_text(json.dumps(cfg))
-    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=python_path())
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--deepspeed_config",
                            str(tmp_path / "small.json"), "--output-dir", str(tmp_path / "out")], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)

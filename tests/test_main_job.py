@@ -16,7 +16,7 @@ import pytest
 from ds_pseudo_real.models.gpt import Block, GPTConfig
 from ds_pseudo_real import checkpoint as ckpt
 from ds_pseudo_real.report import read_records
-from conftest import REPO, free_port, run_main_job, run_two_ranks
+from conftest import REPO, free_port, python_path, run_main_job, run_two_ranks
 
 TINY = ["--n-layer", "4", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", str(1 << 20),
         "--eval-interval", "6", "--eval-batches", "2", "--log-interval", "6"]
@@ -33,7 +33,7 @@ def tiny_config(tmp_path, steps=24, switch=12):
 
 
 def run_single(*args):
-    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=python_path())
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), *args], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -88,7 +88,7 @@ def test_main_job_resumes_from_a_chosen_checkpoint_keeps_history_and_never_start
         data[len(data) // 2] ^= 0xFF
         states.write_bytes(bytes(data))
     before = (out / "metrics.jsonl").read_bytes()
-    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=python_path())
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--deepspeed_config", config,
                            "--output-dir", str(out), *TINY], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=600)
@@ -127,7 +127,7 @@ def test_main_job_destroys_its_process_group_before_it_returns(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**json.loads(config.read_text()), "pseudo_to_rael": {}}))
     for path, status in ((config, 0), (bad, 2)):
-        env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+        env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=python_path())
         proc = subprocess.run([sys.executable, "-c", driver, "--deepspeed_config", str(path), "--output-dir",
                                str(tmp_path / path.stem), *TINY], env=env, cwd=REPO, capture_output=True, text=True,
                               timeout=600)
@@ -147,7 +147,7 @@ def test_main_job_runs_the_exit_handlers_and_leaves_without_the_interpreters_tea
               "kept = Collected()  # collected when the interpreter tears its modules down\n"
               "sys.argv = sys.argv[1:]\n"
               "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=python_path())
     proc = subprocess.run([sys.executable, "-c", driver, str(REPO / "launch" / "train.py"), "--deepspeed_config",
                            str(tiny_config(tmp_path, steps=2, switch=1)), "--output-dir", str(tmp_path / "run"),
                            *TINY], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -158,7 +158,7 @@ def test_main_job_runs_the_exit_handlers_and_leaves_without_the_interpreters_tea
 
 def start_single(logs, *args) -> subprocess.Popen:
     """``launch/train.py ARGS`` in one process, in the background, its output in ``logs``.out/.err."""
-    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=python_path())
     return subprocess.Popen([sys.executable, str(REPO / "launch" / "train.py"), *map(str, args)], env=env, cwd=REPO,
                             stdout=open(f"{logs}.out", "w"), stderr=open(f"{logs}.err", "w"))
 
@@ -219,7 +219,7 @@ def test_a_launcher_killed_by_a_signal_it_does_not_pass_on_leaves_no_rank_traini
     and exit; no process of the run is left."""
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()})
     start = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"] if launcher == "torchrun" else
              [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2"])
     command = [*start, "--master_port", str(free_port()), str(REPO / "launch" / "train.py"), "--deepspeed_config",

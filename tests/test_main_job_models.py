@@ -12,7 +12,7 @@ from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.moe.architecture import M6_TINY, embedding_parameters, layer_parameters
 from ds_pseudo_real.report import read_records
 from ds_pseudo_real.run_config import RunConfig
-from conftest import REPO, run_main_job as run_job, run_two_ranks
+from conftest import REPO, python_path, run_main_job as run_job, run_two_ranks
 
 RUN = ["--eval-interval", "4", "--eval-batches", "2", "--log-interval", "4", "--corpus-bytes", str(1 << 20)]
 
@@ -194,7 +194,7 @@ def test_config_error_under_torchrun_names_its_cause_in_torchruns_summary(tmp_pa
     from conftest import free_port
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=python_path(), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(free_port()), str(REPO / "launch" / "train.py"), "--deepspeed_config",
                            str(m6_config(tmp_path, pseudo_to_reel={})), "--output-dir", str(tmp_path / "run")],

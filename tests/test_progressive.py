@@ -169,7 +169,7 @@ def test_main_job_runs_a_schedule_and_logs_each_transition(tmp_path):
     import os
     import subprocess
 
-    from conftest import REPO, free_port
+    from conftest import REPO, free_port, python_path
     from ds_pseudo_real.report import read_records
 
     cfg = json.loads((REPO / "configs" / "tiny_cpu.json").read_text())
@@ -177,7 +177,7 @@ def test_main_job_runs_a_schedule_and_logs_each_transition(tmp_path):
     cfg["pseudo_to_real"] = {"layers": "layers", "optimizer_state": "scale",
                              "schedule": [{"groups": 1}, {"groups": 2, "at_step": 3}, {"at_step": 6}]}
     (tmp_path / "job.json").write_text(json.dumps(cfg))
-    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=python_path())
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--deepspeed_config",
                            str(tmp_path / "job.json"), "--output-dir", str(tmp_path / "run"), "--n-layer", "4",
                            "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", str(1 << 20),

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, python_path
 
 STEPS, SWITCH, SAVE_INTERVAL = 12, 6, 4
 KILLS = (7, 10)  # past the save at 4 and the delink at 6 (resumed in the pseudo stage); past the save at 8 (real)
@@ -35,7 +35,7 @@ def monitored_config(tmp_path):
 def launch(ranks, config, out, kill_at=None):
     """The main job on ``ranks`` ranks (torchrun for 2); with ``kill_at``, every rank killed after that step."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=python_path(), OMP_NUM_THREADS="1")
     script = REPO / "launch" / "train.py"
     if kill_at is not None:
         script = REPO / "tests" / "scripts" / "kill_at_step.py"

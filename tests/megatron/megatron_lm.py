@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Dict, Iterable, Optional
 
 import pytest
-from conftest import REPO, free_port
+from conftest import REPO, free_port, python_path
 
 from megatron_patches.run import TRACKER_FILE
 
@@ -88,7 +88,7 @@ def pretrain(nproc: int, *flags: str, cwd: Path, expect_ok: bool = True, env_ext
 def launch(nproc: int, *program: str, cwd: Path, expect_ok: bool = True, env_extra: Optional[dict] = None,
            timeout: float = 900) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), MEGATRON_LM or ""])})
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(MEGATRON_LM or "")})
     # Megatron's fused functions (bias-GeLU, bias-dropout-add, ...) run eagerly: megatron.core.jit wraps them in
     # torch.compile, which traces them again in every process and on the CPU builds them with the C++ compiler, about
     # 5 s of CPU per rank for a run of the tiny model that trains in 3. The runs here compare with each other, all

@@ -9,7 +9,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port
+from conftest import REPO, free_port, python_path
 from megatron_lm import M6, MEGATRON_LM, TINY, Sequence, check_resumed_run, needs_megatron_lm, pretrain
 
 from megatron_patches.run import (RELEASE, TRACKER_FILE, check_arguments, checkpoint_to_load,
@@ -186,7 +186,7 @@ def test_flag_errors_are_one_error_line_from_rank_0(tmp_path):
 def test_a_save_folder_in_use_by_another_run_is_refused(tmp_path):
     """The drop-in holds --save's lock as the main job holds its output folder's: another run holding it stops this
     one before it trains or writes, with one error naming the holder."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=python_path())
     (tmp_path / "ckpt").mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import sys; from ds_pseudo_real import run_lock; "
                                "run_lock.acquire(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
@@ -243,6 +243,6 @@ def test_the_process_group_the_script_opened_is_destroyed_before_main_returns(tm
     driver = ("import sys; import torch.distributed as dist; from megatron_patches.run import main; "
               "rc = main(sys.argv[1:]); print('process group alive after main:', dist.is_initialized()); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", driver, str(script)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), MEGATRON_LM])))
+                          timeout=120, env=dict(os.environ, PYTHONPATH=python_path(MEGATRON_LM)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "process group alive after main: False" in proc.stdout

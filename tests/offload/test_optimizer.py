@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, run_two_ranks
+from conftest import REPO, free_port, python_path, run_two_ranks
 
 SCRIPT = Path(__file__).with_name("run_training.py")
 LEVELS = {"d": "device", "o": "host_optimizer", "p": "host_params"}
@@ -26,7 +26,7 @@ def results(stdout):
 
 def run_one_rank(*cases, tmp_path):
     # A port of its own: the pytest process may already hold MASTER_PORT for its own process group.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OFFLOAD_TEST_DIR": str(tmp_path), "MASTER_PORT": str(free_port())}
+    env = {**os.environ, "PYTHONPATH": python_path(), "OFFLOAD_TEST_DIR": str(tmp_path), "MASTER_PORT": str(free_port())}
     proc = subprocess.run([sys.executable, str(SCRIPT), *cases], env=env, capture_output=True, text=True,
                           timeout=600, cwd=REPO)
     if proc.returncode != 0:

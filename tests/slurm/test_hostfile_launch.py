@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import free_port
+from conftest import free_port, python_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ def test_two_node_deepspeed_launch_from_generated_hostfile(tmp_path):
 
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()})
     deepspeed = Path(sys.executable).with_name("deepspeed")
     port, run = free_port(), tmp_path / "run"
     launchers = [

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import python_path
 
 from launch.slurm import REPO, JobSpec, main, sbatch_script, time_limit_seconds
 
@@ -174,7 +175,7 @@ def test_batch_shell_stops_on_a_config_error_before_any_rank_starts(tmp_path):
                                          train_args=[])))
     config.write_text('{"train_micro_batch_size_per_gpu": 2, "pseudo_to_reel": {}}')
     out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120, env={
-        "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "6", "FAKE_CALLS": str(calls), "PYTHONPATH": str(REPO)})
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "6", "FAKE_CALLS": str(calls), "PYTHONPATH": python_path()})
     assert out.returncode == 2, out.stdout + out.stderr
     assert [line for line in out.stderr.splitlines() if line.startswith("error:")] == ["error: invalid config:"]
     assert "did you mean 'pseudo_to_real'?" in out.stderr and "Traceback" not in out.stderr

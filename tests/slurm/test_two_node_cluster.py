@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import free_port, python_path
 from slurm_jobs import REPO, Cluster, assert_checkpoint, logs, metrics_step, tiny_config_with_switch, train_losses
 
 from launch.dist_env import master_port_for_job
@@ -262,7 +262,7 @@ def test_megatron_drop_in_across_two_nodes(cluster, jobs, tmp_path):
         "#!/bin/bash",
         f"#SBATCH --nodes=2 --ntasks-per-node=1 --gpus-per-node=1 --partition={PARTITION} --time=10 "
         f"--output={tmp_path}/logs/sbatch-%j.log --chdir={tmp_path}",
-        f"export PYTHONPATH={shlex.quote(os.pathsep.join([str(REPO), MEGATRON_LM]))}",
+        f"export PYTHONPATH={shlex.quote(python_path(MEGATRON_LM))}",
         f"srun --kill-on-bad-exit=1 --output={tmp_path}/logs/rank-%t.log {shlex.join(command)}",
         ""]))
     (tmp_path / "logs").mkdir()
