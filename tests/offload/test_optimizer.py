@@ -26,7 +26,8 @@ def results(stdout):
 
 def run_one_rank(*cases, tmp_path):
     # A port of its own: the pytest process may already hold MASTER_PORT for its own process group.
-    env = {**os.environ, "PYTHONPATH": python_path(), "OFFLOAD_TEST_DIR": str(tmp_path), "MASTER_PORT": str(free_port())}
+    env = {**os.environ, "PYTHONPATH": python_path(), "OFFLOAD_TEST_DIR": str(tmp_path),
+           "MASTER_PORT": str(free_port())}
     proc = subprocess.run([sys.executable, str(SCRIPT), *cases], env=env, capture_output=True, text=True,
                           timeout=600, cwd=REPO)
     if proc.returncode != 0:
