@@ -24,8 +24,14 @@ DEFAULT_MAX_BYTES = 8 << 20
 
 
 def stdlib_source_files(root: Optional[Path] = None) -> List[Path]:
+    """The ``.py`` files under ``root`` (default: the standard library) outside installed packages, in the order of
+    their relative paths. The package folders are not entered at all: a walk that filtered them out afterwards took
+    a second of every main job's start on a busy machine (30x the walk)."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in ("site-packages", "dist-packages")]
+        files += [Path(folder, name) for name in names if name.endswith(".py")]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
