@@ -1,7 +1,8 @@
 """Checkpoint benchmark: how long a save blocks the training loop, how long it takes in all, and what verifying costs.
 
 For each model size and rank count, one torchrun job (ZeRO 1, fp32) saves the same state round after round, the arms
-alternating within each round so that machine noise falls on every arm:
+alternating within each round so that machine noise falls on every arm; the first round (``--warmup-rounds``) is
+left out of the medians (each arm's first save meets a cold page cache, the async one allocates its snapshot):
 - plain DeepSpeed ``save_checkpoint`` (files left in the page cache);
 - the plugin, synchronous (each file checksummed as it is written and fsynced, the manifest added, atomic rename);
 - the plugin with ``checkpoint.async_save``: blocked = until ``save_checkpoint`` returns (the host snapshot), total =
@@ -127,10 +128,12 @@ def worker(args) -> None:
         engine.wait_for_checkpoints()
         return blocked, time.perf_counter() - start
 
-    times = {arm: {"blocked": [], "total": []} for arm in ARMS}
+    measured = {arm: {"blocked": [], "total": []} for arm in ARMS}
+    warmup = {arm: {"blocked": [], "total": []} for arm in ARMS}
     load = {key: [] for key in ("verify_checksum", "verify_size", "deepspeed_load", "state_fingerprint")}
     nbytes = 0
-    for round_ in range(args.rounds):
+    for round_ in range(args.warmup_rounds + args.rounds):
+        times = warmup if round_ < args.warmup_rounds else measured
         for arm in ARMS:
             folder = fresh(root / arm)
             ckpt.barrier()
@@ -140,7 +143,7 @@ def worker(args) -> None:
         verdict = ckpt.verify(str(root / "plugin_sync"), "t", "checksum")
         assert verdict.ok, verdict.problems
         nbytes = verdict.nbytes
-        if world == 1:
+        if world == 1 and times is measured:
             load["verify_checksum"].append(verdict.seconds)
             load["verify_size"].append(ckpt.verify(str(root / "plugin_sync"), "t", "size").seconds)
             start = time.perf_counter()
@@ -150,7 +153,8 @@ def worker(args) -> None:
             ds_state.state_fingerprint(ds)
             load["state_fingerprint"].append(time.perf_counter() - start)
         if rank == 0:
-            print(f"{args.size} x {world}: round {round_ + 1}/{args.rounds}: " + ", ".join(
+            kind = "warm-up round" if times is warmup else "round"
+            print(f"{args.size} x {world}: {kind} {round_ + 1}/{args.warmup_rounds + args.rounds}: " + ", ".join(
                 f"{arm} {t['blocked'][-1]:.3f}/{t['total'][-1]:.3f} s" for arm, t in times.items()), flush=True)
     for arm in ARMS:
         fresh(root / arm)
@@ -192,7 +196,8 @@ def worker(args) -> None:
     decoupled.cleanup()
     if rank == 0:
         result = {"parameters": ds_pseudo_real.parameter_count(engine.module), "layers": layers, "d_model": d_model,
-                  "ranks": world, "checkpoint_bytes": nbytes, "rounds": args.rounds, "seconds": times,
+                  "ranks": world, "checkpoint_bytes": nbytes, "rounds": args.rounds, "seconds": measured,
+                  "warmup_seconds": warmup,
                   "loop": {"steps": args.loop_steps, "save_every": args.save_every, **loop}}
         if world == 1:
             result["load_seconds"] = load
@@ -248,7 +253,7 @@ def run_job(size: str, ranks: int, args) -> dict:
         env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONPATH=str(REPO))
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                    str(29500 + os.getpid() % 1000), __file__, "--worker", "--size", size, "--rounds", str(args.rounds),
-                   "--loop-steps", str(args.loop_steps), "--save-every", str(args.save_every), "--root",
+                   "--warmup-rounds", str(args.warmup_rounds), "--loop-steps", str(args.loop_steps), "--save-every", str(args.save_every), "--root",
                    str(Path(root) / "ckpt"), "--json-out", str(out)]
         subprocess.run(command, env=env, check=True)
         return json.loads(out.read_text())
@@ -280,6 +285,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="85m,1b", help=f"of {sorted(SIZES)}")
     parser.add_argument("--ranks", default="1,2")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup-rounds", type=int, default=1,
+                        help="rounds saved first and left out of the medians (kept in the JSON as warmup_seconds): the "
+                             "first save of an arm allocates its buffers and meets a cold page cache")
     parser.add_argument("--loop-steps", type=int, default=20)
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="the tiny model, 3 rounds")
