@@ -30,8 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import RESULTS, build_gpt, init_single_process, machine_description, markdown_table, write_json  # noqa: E402
 
 ARMS = ("none", "zero2_offload", "zero3_ratio", "granular")
-# --check, relative to the loss, where the arms may round differently: on CUDA (no offload steps with DeepSpeed's
-# fused Adam, granular with torch's fused Adam and DeepSpeed's CPU kernel), and in bf16 with gradient accumulation
+# The no-offload arm's Adam on CUDA: torch's fused AdamW through DeepSpeed's ``torch_adam`` (its other parameters go to
+# torch's constructor), the kernel the granular arm's device groups step with. DeepSpeed's own choice for "AdamW",
+# its FusedAdam, is built with nvcc at its first use: a CUDA toolkit the GPU machine may lack, and minutes inside a
+# step's cap of benchmarks/gpu/check.sh. (On the CPU the arm steps with DeepSpeed's CPU Adam, as granular does.)
+CUDA_NO_OFFLOAD_ADAM = {"torch_adam": True, "fused": True}
+# --check, relative to the loss, where the arms may round differently: on CUDA (no offload steps every group with
+# torch's fused Adam, granular its host groups with DeepSpeed's CPU kernel), and in bf16 with gradient accumulation
 # (the host_params layers DeepSpeed does not hold add their micro-batches' gradients in fp32 on the host, DeepSpeed in
 # bf16: 1.5e-5 measured on the CPU). The CUDA figures are estimates, not yet measured on a GPU: the check prints the
 # difference found. Elsewhere the losses must be equal.
@@ -156,6 +161,8 @@ def build_arm(arm: str, args):
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": args.ratio}
         # several sub-groups per rank, else the ratio has nothing to split
         config["zero_optimization"]["sub_group_size"] = max(1, numel // (2 * args.layers))
+    if arm == "none":  # on CUDA
+        config["optimizer"]["params"].update(CUDA_NO_OFFLOAD_ADAM)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine, None, None
 

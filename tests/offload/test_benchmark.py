@@ -108,3 +108,21 @@ def test_check_fails_on_an_arm_that_did_not_run_bytes_off_the_plan_an_unskipped_
         "the inf gradient of step 1 was not skipped by every arm: {'none': 1, 'granular': 0}"]
     assert failures([results([5.0])[0], {"arm": "granular", "error": "exit 1: ['PlanError']"}]) == [
         "arm granular: exit 1: ['PlanError']"]
+
+
+def test_the_no_offload_arm_on_cuda_asks_deepspeed_for_torchs_fused_adamw(monkeypatch):
+    """On CUDA the no-offload arm steps with torch's fused AdamW, the kernel of the granular arm's device groups, not
+    DeepSpeed's FusedAdam, which would be built with nvcc inside a capped step of the GPU check. Built here on the CPU
+    (torch's fused AdamW runs there too) with CUDA reported to the benchmark."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks import offload
+
+    args = offload.parse_args([*SMALL, "--device-memory", "1MB"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    engine, optimizer, plan = offload.build_arm("none", args)
+    monkeypatch.undo()
+    inner = engine.optimizer.optimizer  # ZeRO's wrapper around the optimizer DeepSpeed built from the config
+    assert (type(inner), inner.defaults["fused"], optimizer, plan) == (torch.optim.AdamW, True, None, None)
+    engine.destroy()
