@@ -145,7 +145,10 @@ def test_lost_node_fails_the_job_which_is_requeued_and_resumes(main_run):
     batch = out[f"sbatch-{main_run.job_id}.log"]
     assert main_run.requeued_after_s < LOST_NODE_BOUND_S, main_run.requeued_after_s
     assert re.search(r"Connection (closed|reset) by peer", out["rank-0.log"])  # gloo's error, the socket's state
-    assert "srun: error: Node failure on node2" in batch and "DUE TO NODE FAILURE" in batch
+    assert "srun: error: Node failure on node2" in batch
+    # requeued: SLURM requeues a --requeue job on a node failure, not on its batch shell's failure. (slurmstepd's
+    # "CANCELLED ... DUE TO NODE FAILURE" line is printed only when the batch shell still runs as slurmctld cancels
+    # the job; here rank 0's own error may end srun and the shell first, a race that timing decides.)
     assert f"job {main_run.job_id} attempt 2 on node[1-2]" in batch
     # the last checkpoint before the loss: at most SAVE_INTERVAL steps before it, before the switch
     step = main_run.killed_after_step // SAVE_INTERVAL * SAVE_INTERVAL
