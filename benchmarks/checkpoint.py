@@ -253,8 +253,8 @@ def run_job(size: str, ranks: int, args) -> dict:
         env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONPATH=str(REPO))
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                    str(29500 + os.getpid() % 1000), __file__, "--worker", "--size", size, "--rounds", str(args.rounds),
-                   "--warmup-rounds", str(args.warmup_rounds), "--loop-steps", str(args.loop_steps), "--save-every", str(args.save_every), "--root",
-                   str(Path(root) / "ckpt"), "--json-out", str(out)]
+                   "--warmup-rounds", str(args.warmup_rounds), "--loop-steps", str(args.loop_steps), "--save-every",
+                   str(args.save_every), "--root", str(Path(root) / "ckpt"), "--json-out", str(out)]
         subprocess.run(command, env=env, check=True)
         return json.loads(out.read_text())
 
