@@ -13,4 +13,3 @@ def test_the_file_list_skips_installed_packages_and_is_ordered_by_relative_path(
     assert [p.relative_to(tmp_path).as_posix() for p in files] == [
         "alpha/a.py", "alpha/b.py", "lib2to3/fixes/fix_z.py", "zeta.py"]
     assert all(isinstance(p, Path) and p.is_absolute() for p in files)
-

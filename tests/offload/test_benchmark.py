@@ -116,13 +116,15 @@ def test_the_no_offload_arm_on_cuda_asks_deepspeed_for_torchs_fused_adamw(monkey
     (torch's fused AdamW runs there too) with CUDA reported to the benchmark."""
     import torch
 
-    sys.path.insert(0, str(REPO))
+    monkeypatch.syspath_prepend(str(REPO))
     from benchmarks import offload
 
     args = offload.parse_args([*SMALL, "--device-memory", "1MB"])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    engine, optimizer, plan = offload.build_arm("none", args)
-    monkeypatch.undo()
-    inner = engine.optimizer.optimizer  # ZeRO's wrapper around the optimizer DeepSpeed built from the config
-    assert (type(inner), inner.defaults["fused"], optimizer, plan) == (torch.optim.AdamW, True, None, None)
-    engine.destroy()
+    with monkeypatch.context() as cuda:
+        cuda.setattr(torch.cuda, "is_available", lambda: True)
+        engine, optimizer, plan = offload.build_arm("none", args)
+    try:
+        inner = engine.optimizer.optimizer  # ZeRO's wrapper around the optimizer DeepSpeed built from the config
+        assert (type(inner), inner.defaults["fused"], optimizer, plan) == (torch.optim.AdamW, True, None, None)
+    finally:
+        engine.destroy()
