@@ -16,14 +16,23 @@ from pathlib import Path
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                 os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
-import torch.distributed as dist
-from megatron_lm import RUN_MARKER, copy_checkpoint
-
-from megatron_patches.run import run_script
 
 
 def main(steps_file: str) -> None:
+    # Imported here, not at the top: a process started with the spawn method runs the top of this file again.
     import megatron.training.training as training_module
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
+    from megatron_lm import RUN_MARKER, copy_checkpoint
+
+    from megatron_patches.run import run_script
+
+    # Megatron's torch_dist writer makes one results queue per process at its first save: a Manager process started
+    # with the spawn method, which runs the top of the __main__ module again. During a run __main__ is the training
+    # script (runpy), whose imports (megatron.training, transformers) cost that process about 5 s of CPU; made here
+    # first, by the same function, with this file as __main__, the same queue costs it a fraction of a second. What
+    # the writer does with the queue is unchanged.
+    _get_write_results_queue()
 
     dist.init_process_group("gloo")  # before a copy step's barrier; Megatron-LM takes an initialised group as it is
     try:
