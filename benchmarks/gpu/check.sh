@@ -122,6 +122,15 @@ if ! step build_cpu_adam "$PY" -c "from deepspeed.ops.op_builder import CPUAdamB
   echo "gpu check finished with status 1"
   exit 1
 fi
+# DeepSpeed's async_io op (the nvme_offload step, last) is compiled on first use too: a dozen C++ files, more than that
+# step's cap. Built here in the background while the steps before it run; the step waits on torch's build lock if it
+# is not done by then (inside the step's cap), and a build still running when the check ends is stopped.
+aio_build=""
+if [ "$cuda" = 1 ] && want delink && "$PY" -c "from deepspeed.ops.op_builder import AsyncIOBuilder; import sys; sys.exit(not AsyncIOBuilder().is_compatible(verbose=False))" 2>/dev/null; then
+  "$PY" -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()" >"$OUT/async_io_build.log" 2>&1 &
+  aio_build=$!
+  echo "async_io: building in the background (log: $OUT/async_io_build.log)"
+fi
 
 if want offload; then
   # budgets that offload part of the small model (the 8-layer one: 129 MB of fp32 params, gradients and Adam state
@@ -196,6 +205,10 @@ if want layouts; then
       --vocab 32768 --micro-batch 1 --global-batch $((gpus * 8)) --iters 20 --warmup 5 --bf16 \
       --real-layout "tp=$gpus" --real-layout "pp=$gpus" --out "$OUT"
   fi
+fi
+if [ -n "$aio_build" ] && kill -0 "$aio_build" 2>/dev/null; then
+  echo "async_io: its background build had not finished; stopped"
+  kill "$aio_build" 2>/dev/null
 fi
 echo "gpu check finished with status $status"
 exit $status
