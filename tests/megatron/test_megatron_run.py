@@ -50,10 +50,27 @@ def one_rank(tmp_path_factory):
     return with_async_saves(checkpoint_and_resume_across_the_switch(1, [], tmp, resume_twice=False), [], tmp)
 
 
+def m6_moe_runs(runs: Sequence, tmp: Path) -> None:
+    """Add to a two-rank ``runs``: M6 expert prototyping (4 experts in 2 prototypes) with EP=2, 2 sharing groups,
+    --bf16 (the fused softmax is CUDA only) and the distributed optimizer with overlapped grad reduce: the run through
+    the switch saving at it, the same run never delinking, and a relaunch from the pseudo checkpoint at the switch."""
+    common = [*M6, "--disable-bias-linear", "--bf16", "--no-masked-softmax-fusion", "--use-distributed-optimizer",
+              "--overlap-grad-reduce", "--train-iters", "6", "--pseudo-to-real-groups", "2"]
+    runs.train("m6_full", *common, "--pseudo-to-real-switch-iter", str(SWITCH), "--save", str(tmp / "m6_full"),
+               "--save-interval", str(SWITCH))
+    runs.train("m6_never", *common, "--pseudo-to-real-switch-iter", "100", "--exit-interval", "4")
+    runs.resume_from("m6_resumed", tmp / "m6_full", SWITCH, *common, "--pseudo-to-real-switch-iter", str(SWITCH),
+                     "--save-interval", "100")
+
+
 @pytest.fixture(scope="module")
 def two_ranks_distributed_optimizer(tmp_path_factory):
+    """The two-rank runs of this module in one launch: the switch and its resumes, the M6 MoE's runs, the async
+    saves last."""
     tmp, extra = tmp_path_factory.mktemp("two_ranks"), ["--use-distributed-optimizer"]
-    return with_async_saves(checkpoint_and_resume_across_the_switch(2, extra, tmp, resume_twice=True), extra, tmp)
+    runs = checkpoint_and_resume_across_the_switch(2, extra, tmp, resume_twice=True)
+    m6_moe_runs(runs, tmp)
+    return with_async_saves(runs, extra, tmp)
 
 
 @needs_megatron_lm
@@ -115,20 +132,11 @@ def test_pseudo_checkpoint_holds_the_shared_set_once(one_rank):
 
 
 @needs_megatron_lm
-def test_m6_moe_expert_parallel_2_bf16_two_groups(tmp_path):
-    """M6 expert prototyping (4 experts in 2 prototypes) with EP=2 on 2 ranks, 2 sharing groups, --bf16 (the
-    fused softmax is CUDA only) and the distributed optimizer with overlapped grad reduce: the delink keeps the
-    loss bit for bit (the real model's bf16 weights are the pseudo model's), and a torch_dist checkpoint of the
-    pseudo model at the switch resumes into the same losses."""
-    common = [*M6, "--disable-bias-linear", "--bf16", "--no-masked-softmax-fusion", "--use-distributed-optimizer",
-              "--overlap-grad-reduce", "--train-iters", "6", "--pseudo-to-real-groups", "2"]
-    runs = Sequence(2, tmp_path)
-    runs.train("full", *common, "--pseudo-to-real-switch-iter", str(SWITCH), "--save", str(tmp_path / "full"),
-               "--save-interval", str(SWITCH))
-    runs.train("never", *common, "--pseudo-to-real-switch-iter", "100", "--exit-interval", "4")
-    runs.resume_from("resumed", tmp_path / "full", SWITCH, *common, "--pseudo-to-real-switch-iter", str(SWITCH),
-                     "--save-interval", "100")
-    full, never, resumed = runs.logs().values()
+def test_m6_moe_expert_parallel_2_bf16_two_groups(two_ranks_distributed_optimizer):
+    """M6 expert prototyping with EP=2 on 2 ranks (``m6_moe_runs``): the delink keeps the loss bit for bit (the real
+    model's bf16 weights are the pseudo model's), and a torch_dist checkpoint of the pseudo model at the switch
+    resumes into the same losses."""
+    full, never, resumed = (two_ranks_distributed_optimizer[name] for name in ("m6_full", "m6_never", "m6_resumed"))
     assert [full.losses[i] for i in (1, 3, 4)] == [never.losses[i] for i in (1, 3, 4)]
     # Rank 0's parameters (2 of the 4 experts of every layer): two layers' sets, then four.
     assert full.params == [183_424, 348_288] and never.params == [183_424]
