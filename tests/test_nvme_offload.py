@@ -69,11 +69,20 @@ def test_the_delink_writes_the_swapped_moments_once_a_sub_group_at_a_time(async_
     engine.engine.destroy()
 
 
-def test_the_nvme_delink_on_two_ranks(async_io, tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(async_io, tmp_path_factory):
+    """The folder of one two-rank launch of scripts/nvme_resume.py's run phase, which first runs
+    scripts/nvme_delink.py's two-rank cases in the same processes: the results and checkpoints of both."""
+    out = tmp_path_factory.mktemp("nvme_two_ranks")
+    run_two_ranks(Path(__file__).parent / "scripts" / "nvme_resume.py", "--phase", "run", "--with-delink-cases",
+                  "--out", str(out), timeout=900)
+    return out
+
+
+def test_the_nvme_delink_on_two_ranks(two_ranks):
     """Each rank swaps its own partitions in its own files; the runs by sub-group are the same on both, so the
     gathers' collectives pair up."""
-    run_two_ranks(Path(__file__).parent / "scripts" / "nvme_delink.py", "--out", str(tmp_path), timeout=900)
-    results = [r for rank in (0, 1) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
+    results = [r for rank in (0, 1) for r in json.loads((two_ranks / f"rank{rank}.json").read_text())]
     assert sorted((r["rank"], r["dtype"]) for r in results) == [(0, "bf16"), (0, "fp32"), (1, "bf16"), (1, "fp32")]
     for r in results:
         tag = f"rank {r['rank']} {r['dtype']}"
@@ -134,14 +143,13 @@ def test_a_resume_under_offload_reproduces_the_run(async_io, tmp_path, saved_aft
     resumed.engine.destroy()
 
 
-def test_a_resume_under_nvme_in_new_processes_on_two_ranks(async_io, tmp_path):
+def test_a_resume_under_nvme_in_new_processes_on_two_ranks(two_ranks):
     """As a job resumes: new processes, each rank its own files, fp32 and bf16, from a real-stage checkpoint; every
     rank trains on with the losses of the run that saved it."""
-    script = Path(__file__).parent / "scripts" / "nvme_resume.py"
-    for phase in ("run", "resume"):
-        run_two_ranks(script, "--phase", phase, "--out", str(tmp_path), timeout=900)
+    run_two_ranks(Path(__file__).parent / "scripts" / "nvme_resume.py", "--phase", "resume", "--out", str(two_ranks),
+                  timeout=900)
     for rank in (0, 1):
-        ran, resumed = (json.loads((tmp_path / f"{phase}_rank{rank}.json").read_text()) for phase in ("run", "resume"))
+        ran, resumed = (json.loads((two_ranks / f"{phase}_rank{rank}.json").read_text()) for phase in ("run", "resume"))
         for before, after in zip(ran, resumed):
             tag = f"rank {rank} {before['dtype']}"
             assert before["stage"] == after["stage"] == "real", tag
