@@ -2,8 +2,9 @@
 
 For each model size and rank count, one torchrun job (ZeRO 1, fp32) saves the same state round after round, the arms
 alternating within each round, each round starting one arm later (every arm follows every other as often), so that
-machine noise falls on every arm; the first round (``--warmup-rounds``) is
-left out of the medians (each arm's first save meets a cold page cache, the async one allocates its snapshot):
+machine noise falls on every arm (``--sync-between-arms``: the writeback of what the arm before left dirty is done
+before each arm starts); the first round (``--warmup-rounds``) is left out of the medians (each arm's first save meets
+a cold page cache, the async one allocates its snapshot):
 - plain DeepSpeed ``save_checkpoint`` (files left in the page cache);
 - the plugin, synchronous (each file checksummed as it is written and fsynced, the manifest added, atomic rename);
 - the plugin with ``checkpoint.async_save``: blocked = until ``save_checkpoint`` returns (the host snapshot), total =
