@@ -1,10 +1,11 @@
 """Checkpoint benchmark: how long a save blocks the training loop, how long it takes in all, and what verifying costs.
 
-For each model size and rank count, one torchrun job (ZeRO 1, fp32) saves the same state round after round, the arms
-alternating within each round, each round starting one arm later (every arm follows every other as often), so that
-machine noise falls on every arm (``--sync-between-arms``: the writeback of what the arm before left dirty is done
-before each arm starts); the first round (``--warmup-rounds``) is left out of the medians (each arm's first save meets
-a cold page cache, the async one allocates its snapshot):
+For each model size and rank count, one torchrun job (ZeRO 1, fp32 weights and AdamW unless ``--dtype``,
+``--optimizer``) saves the same state round after round, the arms alternating within each round, each round starting
+one arm later (every arm follows every other as often), so that machine noise falls on every arm
+(``--sync-between-arms``: the writeback of what the arm before left dirty is done before each arm starts); the first
+round (``--warmup-rounds``) is left out of the medians (each arm's first save meets a cold page cache, the async one
+allocates its snapshot):
 - plain DeepSpeed ``save_checkpoint`` (files left in the page cache);
 - the plugin, synchronous (each file checksummed as it is written and fsynced, the manifest added, atomic rename);
 - the plugin with ``checkpoint.async_save``: blocked = until ``save_checkpoint`` returns (the host snapshot), total =
@@ -20,7 +21,8 @@ against DeepSpeed's own ``load_checkpoint``. Times of several ranks are the slow
     python benchmarks/checkpoint.py --quick          # a small model, 1 and 2 ranks, about 2 min
 
 A size whose training state and snapshot would not fit in the memory available now is skipped and recorded so (1.0B
-parameters need about 37 GiB free on 1 rank, 45 GiB on 2; 85.3M about 4 GiB).
+parameters need about 41 GiB free on 1 rank and 50 GiB on 2 with Adam, 19 and 23 GiB with ``--dtype bf16 --optimizer
+sgd``; 85.3M about 4 GiB).
 Writes benchmarks/results/checkpoint.json and prints the table.
 """
 from __future__ import annotations
@@ -44,15 +46,23 @@ from benchmarks.common import RESULTS, machine_description, markdown_table, medi
 # name: (layers, d_model); heads of 64
 SIZES = {"tiny": (4, 128), "85m": (12, 768), "340m": (12, 1536), "1b": (20, 2048)}
 ARMS = ("plain", "plugin_sync", "plugin_async", "decoupled")
-# Bytes per parameter at ZeRO 1 fp32 with Adam: weights and gradients on every rank (8), the fp32 master and two
-# moments split between the ranks (12 in all); the snapshots of the async save hold what the ranks write (the weights
-# once, 4, and the 12) and the decoupled engine nothing more (it shares the live tensors with its writer process).
-TRAINING_BYTES, PARTITIONED_BYTES, WEIGHT_BYTES = 8, 12, 4
+OPTIMIZERS = {"adamw": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+              "sgd": {"type": "SGD", "params": {"lr": 1e-4}}}  # torch.optim.SGD without momentum: no state
+DTYPES = ("fp32", "bf16")
 
 
-def needed_bytes(parameters: int, ranks: int) -> int:
-    """Host memory a job of ``ranks`` needs, with 10 % for the rest (activations, the processes themselves)."""
-    return int(parameters * (TRAINING_BYTES * ranks + 2 * PARTITIONED_BYTES + WEIGHT_BYTES) * 1.1)
+def needed_bytes(parameters: int, ranks: int, dtype: str = "fp32", optimizer: str = "adamw") -> int:
+    """Host memory a job of ``ranks`` needs at ZeRO 1, with 10 % for the rest (activations, the processes).
+
+    Per parameter: the weights and their gradients on every rank (4 + 4 bytes in fp32, 2 + 2 in bf16); split between
+    the ranks, the fp32 master and its gradient during the step (4 + 4) and the moments (8 with Adam, none with SGD);
+    the snapshots of the async save hold what the ranks write: the weights once, the master and the moments. The
+    decoupled engine adds nothing (it shares the live tensors with its writer process)."""
+    weight = 2 if dtype == "bf16" else 4
+    moments = 8 if optimizer == "adamw" else 0
+    training = 2 * weight * ranks + 8 + moments
+    snapshot = weight + 4 + moments
+    return int(parameters * (training + snapshot) * 1.1)
 
 
 def available_bytes() -> int:
@@ -85,7 +95,8 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=layers, d_model=d_model, n_head=max(1, d_model // 64), seq_len=32))
     config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+              "optimizer": OPTIMIZERS[args.optimizer], "bf16": {"enabled": args.dtype == "bf16"},
+              "zero_allow_untested_optimizer": True,  # SGD: a torch optimizer DeepSpeed's ZeRO did not list
               "checkpoint": {"async_save": True}}
     engine, *_ = ds_pseudo_real.initialize(model=model, config=config)
     x = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(rank))
@@ -94,7 +105,7 @@ def worker(args) -> None:
         engine.backward(engine(x, x))
         engine.step()
 
-    step()  # the Adam moments exist
+    step()  # the optimizer's state exists
     ds = engine.engine
     decoupled, torch_engine = decoupled_engine(ds), ds.checkpoint_engine
     root = Path(args.root)
@@ -247,7 +258,7 @@ def _detached(obj):
 def run_job(size: str, ranks: int, args) -> dict:
     layers, d_model = SIZES[size]
     parameters = gpt_parameters(layers, d_model)
-    need, have = needed_bytes(parameters, ranks), available_bytes()
+    need, have = needed_bytes(parameters, ranks, args.dtype, args.optimizer), available_bytes()
     if need > have:
         reason = (f"skipped: {parameters / 1e6:,.0f}M parameters on {ranks} ranks need about {need / 2**30:.1f} GiB "
                   f"(training state and one snapshot), {have / 2**30:.1f} GiB available")
@@ -260,7 +271,8 @@ def run_job(size: str, ranks: int, args) -> dict:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                    str(29500 + os.getpid() % 1000), __file__, "--worker", "--size", size, "--rounds", str(args.rounds),
                    "--warmup-rounds", str(args.warmup_rounds), "--loop-steps", str(args.loop_steps), "--save-every",
-                   str(args.save_every), "--root", str(Path(root) / "ckpt"), "--json-out", str(out),
+                   str(args.save_every), "--dtype", args.dtype, "--optimizer", args.optimizer,
+                   "--root", str(Path(root) / "ckpt"), "--json-out", str(out),
                    *(["--sync-between-arms"] if args.sync_between_arms else [])]
         subprocess.run(command, env=env, check=True)
         return json.loads(out.read_text())
@@ -300,6 +312,10 @@ def main(argv=None) -> int:
     parser.add_argument("--sync-between-arms", action="store_true",
                         help="os.sync() before each arm's save in the rounds: plain DeepSpeed does not fsync, and the "
                              "kernel's writeback of what an arm left dirty otherwise falls on the arm after it")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="of the weights (the master is fp32)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
+                        help="sgd (no momentum) has no state: a size's checkpoint without the Adam moments, for a "
+                             "size whose Adam state would not fit the host")
     parser.add_argument("--quick", action="store_true", help="the tiny model, 3 rounds")
     parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: the temp folder)")
     parser.add_argument("--out", default=str(RESULTS / "checkpoint.json"))
@@ -323,7 +339,8 @@ def main(argv=None) -> int:
             if "skipped" not in job:
                 job.update(summarize(job))
             jobs.append({"size": size, **job})
-    result = {"machine": machine_description(), "zero_stage": 1, "dtype": "fp32", "arm_order": "rotated each round",
+    result = {"machine": machine_description(), "zero_stage": 1, "dtype": args.dtype, "optimizer": args.optimizer,
+              "arm_order": "rotated each round",
               "sync_between_arms": args.sync_between_arms, "jobs": jobs}
     write_json(Path(args.out), result)
     rows = []
