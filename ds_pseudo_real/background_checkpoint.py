@@ -135,12 +135,29 @@ class BackgroundSave:
         self._thread.start()
 
     def _write(self) -> Tuple[str, Any]:
+        """Write the files; the summary (a pass over the snapshot, on the CPU) is computed meanwhile in a second
+        thread, while this one mostly waits for the disk: a save takes the longer of the two, not their sum."""
+        summary: Dict[str, Any] = {}
+
+        def summarize():
+            try:
+                summary["value"] = self.summary()
+            except Exception as error:  # raised by the writer thread once its files are written
+                summary["error"] = error
+
+        summing = threading.Thread(target=summarize, name="ds_pseudo_real checkpoint summary", daemon=True)
+        summing.start()
         entries = {}
-        for name, writer in self.files.items():
-            if self._stop.is_set():
-                return "failed", "stopped: another rank's part of this save failed"
-            entries[name] = ckpt.save_with_checksum(writer, os.path.join(self.directory, name))
-        return "written", (entries, self.summary())
+        try:
+            for name, writer in self.files.items():
+                if self._stop.is_set():
+                    return "failed", "stopped: another rank's part of this save failed"
+                entries[name] = ckpt.save_with_checksum(writer, os.path.join(self.directory, name))
+        finally:
+            summing.join()
+        if "error" in summary:
+            raise summary["error"]
+        return "written", (entries, summary["value"])
 
     def publish_in_background(self, parts: List[Tuple[Dict[str, ckpt.FileEntry], Any]]) -> None:
         """Rank 0, once every rank's part (``parts``, in rank order) is written: ``publish`` it in a thread."""

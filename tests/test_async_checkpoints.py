@@ -9,13 +9,16 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 
 from ds_pseudo_real import checkpoint as ckpt
 from ds_pseudo_real import run_lock
+from ds_pseudo_real.background_checkpoint import BackgroundSave
 from conftest import python_path, run_two_ranks
 from test_checkpoint_recovery import mount_tmpfs
 from test_checkpoints import SWITCH, TOTAL, make, train
@@ -34,6 +37,36 @@ def slow_writes(monkeypatch):
         return real(save, path)
 
     monkeypatch.setattr(ckpt, "save_with_checksum", slow)
+
+
+def test_the_writer_sums_the_snapshot_while_it_writes_the_files(tmp_path):
+    """A background save takes the longer of its file writes and its fingerprint pass, not their sum: the summary is
+    computed while the files are written (here a file's write waits until the summary has started); its failure is
+    the save's."""
+    summing = threading.Event()
+
+    def write(handle):
+        assert summing.wait(timeout=10), "the summary did not start while the files were being written"
+        handle.write(b"state")
+
+    def summary():
+        summing.set()
+        return {"weights": [1.0, 1.0]}
+
+    def background_save(summary):
+        save = BackgroundSave(str(tmp_path / "t"), str(tmp_path), {"f.pt": write}, summary=summary,
+                              publish=lambda parts: None, failed=lambda reports: None, blocked_s=0.0)
+        save.start()
+        return save.report(block=True)
+
+    assert background_save(summary) == (
+        "written", ({"f.pt": {"size": 5, "crc32": f"{zlib.crc32(b'state'):08x}"}}, {"weights": [1.0, 1.0]}))
+
+    def failing():
+        summing.set()
+        raise ValueError("a fingerprint that could not be taken")
+
+    assert background_save(failing) == ("failed", "ValueError: a fingerprint that could not be taken")
 
 
 @pytest.fixture(scope="module")
