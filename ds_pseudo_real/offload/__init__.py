@@ -138,7 +138,7 @@ def _refuse_own_steps_of_tied_across_stages(model: nn.Module, sizes: List[GroupS
     tied = {id(p) for p in ds_state.tied_across_stages(model)}
     refused = [size.name for size, ps in zip(sizes, params)
                if plan.level_of(size.name) is PlacementLevel.HOST_PARAMS and any(id(p) in tied for p in ps)]
-    anywhere = torch.tensor([len(refused)])
+    anywhere = torch.tensor([len(refused)], device=rank_device())  # NCCL takes device tensors only
     if dist.is_initialized():
         dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)  # a stage that would go on alone waits for the others
     if anywhere.item():

@@ -52,25 +52,36 @@ numerics, anything CUDA-only in C++ (DeepSpeed's CUDA ops).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import os
 import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 CPU = torch.device("cpu")
+_BASE_DEVICE = torch._C.TensorBase.device
+_PROCESS_GROUP = torch._C._distributed_c10d.ProcessGroup if torch.distributed.is_available() else ()
 _DEVICE_TAG = "_fake_cuda_device"  # attribute set on a storage's (preserved) Python object
 _PINNED_TAG = "_fake_pinned"
+_WRITES_TAG = "_fake_writes"  # the writes by streams a reader must wait for (``_Write``)
+_LIFE_TAG = "_fake_life"  # a device storage's streams (``_Lifetime``)
 # aten ops that take tensors of two devices on CUDA too
 _CROSS_DEVICE = {"aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize", "aten::_to_copy",
                  "aten::set_", "aten::is_pinned", "aten::_pin_memory", "aten::lift_fresh"}
 
 
 def fake_device(t: torch.Tensor) -> torch.device:
-    """The device ``t`` is on under a :class:`FakeGpuRank` (its storage's tag), the CPU when untagged."""
+    """The device ``t`` is on under a :class:`FakeGpuRank`: its storage's tag, the CPU when untagged; a tensor on
+    another device than the CPU (``meta``) is where it is."""
+    real = _BASE_DEVICE.__get__(t)
+    if real.type != "cpu":
+        return real
     return getattr(_storage(t), _DEVICE_TAG, None) or CPU
 
 
@@ -96,6 +107,29 @@ class Work:
     context: "FakeStream"
     to_host: bool
     waited: bool = False
+
+
+@dataclasses.dataclass
+class _Write:
+    """A write to bytes ``start``..``end`` of a storage by work number ``index`` of ``stream``."""
+
+    start: int
+    end: int
+    stream: "FakeStream"
+    index: int
+    op: str
+
+
+@dataclasses.dataclass
+class _Lifetime:
+    """A device storage: the op and stream that made it, the other streams that used it (id -> (stream, index of
+    the last work that did)) and those it was recorded on (``record_stream``)."""
+
+    op: str
+    shape: tuple
+    stream: "FakeStream"
+    uses: Dict[int, tuple] = dataclasses.field(default_factory=dict)
+    recorded: set = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -132,22 +166,47 @@ class FakeCudart:
         return any(start <= address < start + size for start, size in self.registered.items())
 
 
+def _merge_waits(waited: Dict[int, int], stream: "FakeStream", count: int, its_waits: Dict[int, int]) -> None:
+    """``waited`` (a stream's or the host's) now covers ``stream``'s first ``count`` works and, transitively, what
+    ``stream`` had waited for by then (``its_waits``), as CUDA orders them."""
+    for key, value in its_waits.items():
+        waited[key] = max(waited.get(key, 0), value)
+    waited[id(stream)] = max(waited.get(id(stream), 0), count)
+
+
+class _Host:
+    """The host thread as a waiter: the work of each stream it has waited for (a synchronize, a blocking copy)."""
+
+    def __init__(self):
+        self.waited: Dict[int, int] = {}
+
+    def __repr__(self) -> str:
+        return "the host"
+
+
 class FakeStream:
-    """A CUDA stream of ``device``: the work it ran, in order."""
+    """A CUDA stream of ``device``: the work it ran, in order, and what of the other streams' work it waited for
+    (``waited``: id of a stream -> how many of its works)."""
 
     def __init__(self, device=None, priority: int = 0, rank: "FakeGpuRank" = None, default: bool = False, **_):
         self.rank = rank or FakeGpuRank.active
         self.device = self.rank.resolve(device)
         self.default = default
         self.works: List[Work] = []
+        self.waited: Dict[int, int] = {}
         self.rank.touch(self.device)
         self.rank.streams.append(self)
 
     def __repr__(self) -> str:
         return f"<fake {'default ' if self.default else ''}stream of {self.device}>"
 
+    @property
+    def count(self) -> int:
+        return len(self.works)
+
     def wait_stream(self, other: "FakeStream") -> None:
         self.rank.check_same_kind(other, "wait_stream")
+        _merge_waits(self.waited, other, other.count, other.waited)
 
     def wait_event(self, event: "FakeEvent") -> None:
         event.wait(self)
@@ -160,18 +219,22 @@ class FakeStream:
     def synchronize(self) -> None:
         for work in self.works:
             work.waited = True
+        _merge_waits(self.rank.host.waited, self, self.count, self.waited)
 
     def query(self) -> bool:
         return True
 
 
 class FakeEvent:
-    """A CUDA event: the stream it was recorded on and the work that stream had run by then."""
+    """A CUDA event: the stream it was recorded on, the work that stream had run by then and what it had waited
+    for; waiting for it (a stream, or the host by ``synchronize``) covers all of that. An event never recorded
+    covers nothing."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
         self.rank = FakeGpuRank.active
         self.stream: Optional[FakeStream] = None
         self.covers: List[Work] = []
+        self.count, self.stream_waits = 0, {}
         self.rank.events.append(self)
 
     @property
@@ -182,14 +245,20 @@ class FakeEvent:
         stream = stream or self.rank.current_stream()
         self.rank.check_same_kind(stream, "Event.record")
         self.stream, self.covers = stream, list(stream.works)
+        self.count, self.stream_waits = stream.count, dict(stream.waited)
         self.rank.touch(stream.device)
 
     def synchronize(self) -> None:
         for work in self.covers:
             work.waited = True
+        if self.stream is not None:
+            _merge_waits(self.rank.host.waited, self.stream, self.count, self.stream_waits)
 
     def wait(self, stream: Optional[FakeStream] = None) -> None:
-        self.rank.check_same_kind(stream or self.rank.current_stream(), "Event.wait")
+        stream = stream or self.rank.current_stream()
+        self.rank.check_same_kind(stream, "Event.wait")
+        if self.stream is not None:
+            _merge_waits(stream.waited, self.stream, self.count, self.stream_waits)
 
     def query(self) -> bool:
         return True
@@ -239,9 +308,54 @@ class _DeviceContext:
         return False
 
 
+def _byte_range(t: torch.Tensor) -> tuple:
+    """The bytes of its storage that ``t`` (a view of it) spans, from its first element to its last."""
+    size = t.element_size()
+    if t.numel() == 0:
+        return 0, 0
+    first = t.storage_offset() * size
+    return first, first + (sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) + 1) * size
+
+
+def _written_args(func, args, kwargs) -> List[torch.Tensor]:
+    """The tensors an op writes in place (its schema's mutable arguments: ``self`` of ``add_``, ``out``)."""
+    written = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = kwargs.get(argument.name) if argument.kwarg_only or index >= len(args) else args[index]
+        written += [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+    return written
+
+
+# Ops that take a 0-dim host tensor beside device tensors on CUDA, besides the pointwise ones (TensorIterator's CPU
+# scalar): they read its value on the host (fill_, masked_fill_'s value) or have a scalar-tensor overload that does
+# (_foreach_*). Everything else (stack, cat, matmul, reductions, collectives) refuses it.
+_HOST_SCALAR_OPS = ("aten::fill_", "aten::masked_fill_", "aten::masked_fill", "aten::_foreach_")
+# Advanced indexing takes its indices on the host, of any shape, and moves them to the device
+# (at::native::index / index_put_), and a 0-dim host value, moved too (``t[mask] = 0`` makes one: torch makes the
+# value of a Python scalar on the device of ``t``, which here is the CPU)
+_INDEX_OPS = ("aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_")
+_COPIES = ("aten::copy_", "aten::_copy_from")
+
+
+def _allowed_on_host(func, name: str, args, written: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The operands of ``func`` that CUDA takes on the host beside device tensors: the indices of an indexing op,
+    and 0-dim inputs never written (CUDA refuses an in-place op on a host tensor with a device operand: the output
+    decides the device) of a pointwise op, an indexing op or one of ``_HOST_SCALAR_OPS``."""
+    allowed = []
+    if name in _INDEX_OPS and len(args) > 1:
+        allowed += [t for t in tree_flatten(args[1])[0] if isinstance(t, torch.Tensor)]
+    if torch.Tag.pointwise in func.tags or name.startswith(_HOST_SCALAR_OPS) or name in _INDEX_OPS:
+        allowed += [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.dim() == 0
+                    and not any(t is w for w in written)]
+    return allowed
+
+
 class _Mode(TorchDispatchMode):
-    """Runs every op on the CPU with the devices replaced, checks that an op does not mix devices, logs its work
-    and tags the storages it makes with the device they are on."""
+    """Runs every op on the CPU with the devices replaced, checks that an op does not mix devices and that it reads
+    and writes nothing another stream (or the host) may still be writing, logs its work and tags the storages it
+    makes with the device they are on."""
 
     def __init__(self, rank: "FakeGpuRank"):
         super().__init__()
@@ -253,40 +367,82 @@ class _Mode(TorchDispatchMode):
         target = None
         if kwargs.get("device") is not None:
             target = self.rank.resolve(kwargs["device"])
-            kwargs["device"] = CPU
+            if target.type == "cuda":  # made on the CPU and tagged; the CPU and meta are what they are
+                kwargs["device"] = CPU
         pinned = bool(kwargs.get("pin_memory"))
         if pinned:
             kwargs["pin_memory"] = False
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        flat = tree_flatten((args, kwargs))[0]
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
         if name == "aten::is_pinned":
-            return bool(getattr(_storage(args[0]), _PINNED_TAG, False)) or self.rank.cudart.covers(args[0])
+            return _is_pinned(args[0])
         if name == "aten::_pin_memory":
             out = args[0].clone()
             _tag(out, CPU, pinned=True)
             return out
         if func.namespace == "c10d" and self.rank.nccl is not None:
-            self.rank.nccl.check(name, tensors)
+            group = next((a for a in flat if isinstance(a, _PROCESS_GROUP)), None)
+            self.rank.nccl.check(name, tensors, group)
         devices = [fake_device(t) for t in tensors]
-        placed = {d for t, d in zip(tensors, devices) if d.type == "cuda" or t.dim() > 0}
+        written = _written_args(func, args, kwargs)
+        host_operands = _allowed_on_host(func, name, args, written)
+        placed = {d for t, d in zip(tensors, devices)
+                  if not (d.type == "cpu" and any(t is h for h in host_operands))}
         if len(placed) > 1 and name not in _CROSS_DEVICE and func.namespace != "c10d":
             a, b = sorted(map(str, placed))[:2]
             raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                                f"{a} and {b}! (fake CUDA: {name})")
-        out = func(*args, **kwargs)
+        device = target if target is not None and target.type == "cuda" else \
+            next((d for d in devices if d.type == "cuda"), None)
+        mutable = func._schema.is_mutable
+        if mutable:  # checked before it writes anything
+            self.rank.ordered(name, tensors, written, device)
+        if device is not None and torch.Tag.nondeterministic_seeded in func.tags:
+            with self.rank.device_random(device):  # CUDA's generator of that device, not the CPU's
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         inputs = {id(_storage(t)) for t in tensors}
         made = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and id(_storage(o)) not in inputs]
-        device = target or next((d for d in devices if d.type == "cuda"), CPU)
-        copy = name in ("aten::copy_", "aten::_copy_from")
+        copy = name in _COPIES
+        d2h = device is not None and ((copy and devices[0].type == "cpu") or (target is not None and target.type
+                                                                                == "cpu"))
+        # torch's _to_copy gives a non-blocking copy to the host pinned memory (at::native::_to_copy, pin_out)
+        pinned = pinned or (d2h and name == "aten::_to_copy" and bool(kwargs.get("non_blocking")))
         for o in made:
-            _tag(o, devices[0] if copy else device, pinned)  # a copy's destination keeps its device
+            _tag(o, devices[0] if copy else (target or device or CPU), pinned)  # a copy's destination keeps its device
             if fake_device(o).type == "cuda":
                 self.rank.allocated(name, o)
-        if not (made or func._schema.is_mutable):
+        if name == "aten::_local_scalar_dense":  # .item(): a copy to the host on the current stream, waited for
+            self.rank.host_read(tensors[0], name)
+            return out
+        if not (made or mutable):
             return out  # a view or metadata: no kernel runs
-        to_host = (copy and devices[0].type == "cpu") or (target is not None and target.type == "cpu")
-        for d in {d for d in devices + [target] if d is not None and d.type == "cuda"}:
-            self.rank.log(name, d, to_host)
+        if not mutable:
+            self.rank.ordered(name, tensors, made, device)
+        if device is None:
+            return out
+        self.rank.log(name, device, d2h)
+        self.rank.wrote([*written, *made], device)
+        if d2h:
+            destination = args[0] if copy else made[0]
+            non_blocking = bool(args[2] if copy and len(args) > 2 else kwargs.get("non_blocking"))
+            if not (non_blocking and _is_pinned(destination)):  # a blocking copy: the host waits for the stream
+                stream = self.rank.current_stream(device)
+                _merge_waits(self.rank.host.waited, stream, stream.count, stream.waited)
         return out
+
+
+class _IndexDevices(TorchFunctionMode):
+    """``device=N`` (an int, as ``torch.cuda.current_device()`` returns) read as ``cuda:N``, as a CUDA build does:
+    a CPU-only torch refuses an index before any dispatch ("Cannot access accelerator device")."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if isinstance(device, int) and not isinstance(device, bool):
+            kwargs = dict(kwargs, device=torch.device("cuda", device))
+        return func(*args, **kwargs)
 
 
 class FakeGpuRank:
@@ -313,6 +469,26 @@ class FakeGpuRank:
         self._undo: List[Any] = []
         self.current_streams: Dict[int, FakeStream] = {}
         self._defaults: Dict[int, FakeStream] = {}
+        self.generators = tuple(torch.Generator() for _ in range(device_count))  # CPU ones standing for CUDA's
+        self.total_memory = 80 * 2**30  # what DeepSpeed's accelerator reports for each fake GPU
+        self.host = _Host()
+        self.unsafe_frees: List[str] = []  # device memory freed while another stream may still use it
+        self._open = False
+
+    def generator(self, device=None) -> torch.Generator:
+        """The random generator of ``device`` (the current one when None)."""
+        return self.generators[self.resolve(device).index]
+
+    @contextlib.contextmanager
+    def device_random(self, device: torch.device):
+        """Random ops on ``device`` draw from its generator, as CUDA's do, and leave the CPU's as it was."""
+        generator, saved = self.generator(device), torch.get_rng_state()
+        torch.set_rng_state(generator.get_state())
+        try:
+            yield
+        finally:
+            generator.set_state(torch.get_rng_state())
+            torch.set_rng_state(saved)
 
     # ----- what torch.cuda answers ---------------------------------------------------------------------------
     def resolve(self, device) -> torch.device:
@@ -355,9 +531,91 @@ class FakeGpuRank:
             raise TypeError(f"{what}: got {type(stream).__name__}; a torch.cuda stream was expected")
 
     def allocated(self, op: str, tensor: torch.Tensor) -> None:
-        storage = _storage(tensor)
-        self.allocations.append(Allocation(op, fake_device(tensor), storage.nbytes(), tuple(tensor.shape)))
-        self._storages.append(weakref.ref(storage))
+        storage, device = _storage(tensor), fake_device(tensor)
+        self.allocations.append(Allocation(op, device, storage.nbytes(), tuple(tensor.shape)))
+        life = _Lifetime(op, tuple(tensor.shape), self.current_stream(device))
+        setattr(storage, _LIFE_TAG, life)
+        self._storages.append(weakref.ref(storage, lambda _, life=life: self._freed(life)))
+
+    def _freed(self, life: "_Lifetime") -> None:
+        """CUDA's caching allocator gives a freed block back to the stream it was allocated on, whose next
+        allocations reuse it at once: every other stream that used it must have been recorded on it
+        (``record_stream``) or waited for, by that stream or the host, before it was freed."""
+        if not self._open:
+            return
+        for stream, index in life.uses.values():
+            if id(stream) in life.recorded or max(life.stream.waited.get(id(stream), 0),
+                                                  self.host.waited.get(id(stream), 0)) >= index:
+                continue
+            self.unsafe_frees.append(f"a tensor of shape {life.shape} made by {life.op} on {life.stream}, used on "
+                                     f"{stream} and freed before that use was waited for or recorded "
+                                     f"(record_stream)")
+
+    def ordered(self, op: str, tensors: List[torch.Tensor], written: List[torch.Tensor],
+                device: Optional[torch.device]) -> None:
+        """Check that ``op``, which reads ``tensors`` and writes ``written`` on the current stream of ``device``
+        (on the host when None), runs after every write to them by another stream (or a copy to the host) that it
+        must see: waited for by its stream (``wait_stream``, ``wait_event`` of an event recorded after the write)
+        or by the host before it issued the op (a synchronize, a blocking copy); raises as the race it would be
+        otherwise. A host write
+        replaces what it overwrites."""
+        reader = self.host if device is None else self.current_stream(device)
+        index = None if device is None else reader.count + 1  # the work this op is about to be
+        seen = set()
+        for t in [*tensors, *written]:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            storage = _storage(t)
+            first, last = _byte_range(t)
+            for write in getattr(storage, _WRITES_TAG, ()):
+                if write.stream is reader or write.end <= first or last <= write.start:
+                    continue
+                # work issued now also follows whatever the host has seen complete (a synchronize)
+                if max(reader.waited.get(id(write.stream), 0), self.host.waited.get(id(write.stream), 0)) \
+                        < write.index:
+                    raise RuntimeError(f"fake CUDA stream order: {op} on {reader} uses a tensor of shape "
+                                       f"{tuple(t.shape)} that {write.op} on {write.stream} writes, and nothing "
+                                       f"made {reader} wait for that write (wait_stream, wait_event, an event's "
+                                       f"synchronize)")
+            life = getattr(storage, _LIFE_TAG, None)
+            if index is not None and life is not None and reader is not life.stream:
+                life.uses[id(reader)] = (reader, index)
+        if device is None:
+            for t in written:
+                self._forget_writes(t)
+
+    def wrote(self, tensors: List[torch.Tensor], device: torch.device) -> None:
+        """``tensors`` were just written by the last work of the current stream of ``device``."""
+        stream = self.current_stream(device)
+        for t in tensors:
+            first, last = _byte_range(t)
+            self._forget_writes(t)
+            storage = _storage(t)
+            writes = getattr(storage, _WRITES_TAG, None)
+            if writes is None:
+                writes = []
+                setattr(storage, _WRITES_TAG, writes)
+            writes.append(_Write(first, last, stream, stream.count, stream.works[-1].op))
+
+    def _forget_writes(self, t: torch.Tensor) -> None:
+        """Drop the writes ``t``'s bytes cover entirely (overwritten since)."""
+        writes = getattr(_storage(t), _WRITES_TAG, None)
+        if writes:
+            first, last = _byte_range(t)
+            writes[:] = [w for w in writes if not (first <= w.start and w.end <= last)]
+
+    def host_read(self, tensor: torch.Tensor, what: str) -> None:
+        """The host reads ``tensor`` outside torch's dispatcher (``tolist``, ``numpy``, a C++ kernel): a device
+        tensor is copied on the current stream and waited for; a host one must not be written by a copy nothing
+        waited for."""
+        device = fake_device(tensor)
+        if device.type != "cuda":
+            self.ordered(what, [tensor], [], None)
+            return
+        self.ordered(what, [tensor], [], device)
+        stream = self.current_stream(device)
+        _merge_waits(self.host.waited, stream, stream.count, stream.waited)
 
     def log(self, op: str, device: torch.device, to_host: bool) -> None:
         self.touch(device)
@@ -407,8 +665,16 @@ class FakeGpuRank:
             "set_stream": self.set_stream, "synchronize": self._synchronize,
             "is_bf16_supported": lambda *a, **k: True, "cudart": lambda: self.cudart,
             "get_device_capability": lambda device=None: (9, 0), "get_device_name": lambda device=None: "fake GPU",
+            "get_rng_state": lambda device="cuda": self.generator(device).get_state(),
+            "set_rng_state": lambda state, device="cuda": self.generator(device).set_state(state),
+            "manual_seed": lambda seed: self.generator().manual_seed(seed),
+            "manual_seed_all": lambda seed: [self.generator(i).manual_seed(seed) for i in range(self.device_count)],
+            "seed": lambda: self.generator().seed(), "initial_seed": lambda: self.generator().initial_seed(),
+            "default_generators": self.generators,
         }.items():
             self._patch(cuda, name, value)
+        for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "seed", "initial_seed"):
+            self._patch(torch.cuda.random, name, getattr(cuda, name))  # called there too (Megatron's RNG tracker)
 
         def to(tensor, *args, copy=False, **kwargs):
             device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
@@ -436,20 +702,29 @@ class FakeGpuRank:
         self._patch(torch.Tensor, "is_cuda", property(lambda t: fake_device(t).type == "cuda"))
         self._patch(torch.Tensor, "get_device", lambda t: fake_device(t).index if fake_device(t).type == "cuda"
                     else -1)
+        self._patch(torch.Tensor, "type", _fake_type)
         self._patch(torch.Tensor, "record_stream", lambda t, stream: self._record_stream(t, stream))
         self._patch(torch.Tensor, "grad", property(_BASE_GRAD.__get__, _set_grad))
         try:
             from deepspeed.accelerator import real_accelerator
-            from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
         except ImportError:  # DeepSpeed is optional for this harness
             real_accelerator = None
         if real_accelerator is not None:
-            self._patch(real_accelerator, "ds_accelerator", CUDA_Accelerator())
+            self._patch(real_accelerator, "ds_accelerator", fake_cuda_accelerator(self))
+        for method in ("tolist", "numpy"):  # the host reads the data in C++, out of the dispatcher's sight
+            self._patch(torch.Tensor, method, _read_on_host(getattr(torch.Tensor, method), method))
+        _patch_cpu_adam(self)
         self._mode = _Mode(self)
         self._mode.__enter__()
+        self._index_devices = _IndexDevices()
+        self._index_devices.__enter__()
+        self._open = True
         return self
 
     def __exit__(self, *exc) -> bool:
+        gc.collect()  # what a cycle still holds is freed while the frees are checked
+        self._open = False
+        self._index_devices.__exit__(*exc)
         self._mode.__exit__(*exc)
         for owner, name, old, missing in reversed(self._undo):
             if old is missing:
@@ -462,6 +737,9 @@ class FakeGpuRank:
         else:
             os.environ["LOCAL_RANK"] = self._env
         FakeGpuRank.active = None
+        if self.unsafe_frees and exc[0] is None:
+            raise RuntimeError("fake CUDA: device memory freed while another stream may still use it:\n  "
+                               + "\n  ".join(self.unsafe_frees))
         return False
 
     def _synchronize(self, device=None) -> None:
@@ -473,9 +751,116 @@ class FakeGpuRank:
         if fake_device(tensor) != stream.device:
             raise RuntimeError(f"record_stream: a tensor on {fake_device(tensor)} recorded on a stream of "
                                f"{stream.device} (fake CUDA)")
+        life = getattr(_storage(tensor), _LIFE_TAG, None)
+        if life is not None:
+            life.recorded.add(id(stream))
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    return bool(getattr(_storage(t), _PINNED_TAG, False)) or FakeGpuRank.active.cudart.covers(t)
+
+
+def _read_on_host(method, name: str):
+    def read(tensor, *args, **kwargs):
+        FakeGpuRank.active.host_read(tensor, f"Tensor.{name}")
+        return method(tensor, *args, **kwargs)
+    return read
+
+
+class _HostKernel:
+    """A C++ op module whose functions read and write host tensors out of the dispatcher's sight (DeepSpeed's CPU
+    Adam): each call is checked as the host reading and writing its tensor arguments."""
+
+    def __init__(self, module, rank: "FakeGpuRank", name: str):
+        self._module, self._rank, self._name = module, rank, name
+
+    def __getattr__(self, attribute: str):
+        value = getattr(self._module, attribute)
+        if not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            self._rank.ordered(f"{self._name}.{attribute}", tensors, tensors, None)
+            return value(*args, **kwargs)
+        return call
+
+
+def _patch_cpu_adam(rank: "FakeGpuRank") -> None:
+    """DeepSpeed's CPU Adam (0.19.8: ``DeepSpeedCPUAdam.ds_opt_adam``, the op module its kernels are called through)
+    checked as a host kernel."""
+    try:
+        from deepspeed.ops.adam.cpu_adam import DeepSpeedCPUAdam
+    except ImportError:
+        return
+    init = DeepSpeedCPUAdam.__init__
+
+    def checked_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.ds_opt_adam = _HostKernel(self.ds_opt_adam, rank, "cpu_adam")
+
+    rank._patch(DeepSpeedCPUAdam, "__init__", checked_init)
+
+
+def fake_cuda_accelerator(rank: "FakeGpuRank"):
+    """DeepSpeed's own CUDA accelerator (deepspeed 0.19.8 ``CUDA_Accelerator``) over ``rank``'s fake devices: every
+    method is DeepSpeed's, which reaches ``torch.cuda`` (faked), except what needs the CUDA runtime in C++ and only
+    describes or tunes a run: NVTX ranges (profiling markers: nothing), the caching allocator's statistics (the fake
+    GPUs' live bytes, :meth:`FakeGpuRank.live_bytes`; ``empty_cache`` frees nothing), and the device's total memory
+    (:attr:`FakeGpuRank.total_memory`). Its op builders
+    are DeepSpeed's CUDA ones, which need nvcc: configs under the fakes use ``torch_adam``."""
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    class FakeCudaAccelerator(CUDA_Accelerator):
+        def range_push(self, msg, domain=None, category=None):
+            return None
+
+        def range_pop(self, domain=None):
+            return None
+
+        def memory_allocated(self, device_index=None):
+            return rank.live_bytes(device_index)
+
+        max_memory_allocated = memory_allocated
+        memory_reserved = memory_allocated
+        max_memory_reserved = memory_allocated
+        memory_cached = memory_allocated
+        max_memory_cached = memory_allocated
+
+        def memory_stats(self, device_index=None):
+            return {"allocated_bytes.all.current": rank.live_bytes(device_index)}
+
+        def reset_peak_memory_stats(self, device_index=None):
+            return None
+
+        reset_max_memory_allocated = reset_peak_memory_stats
+        reset_max_memory_cached = reset_peak_memory_stats
+
+        def empty_cache(self):
+            return None
+
+        def total_memory(self, device_index=None):
+            return rank.total_memory
+
+        def available_memory(self, device_index=None):
+            return rank.total_memory - rank.live_bytes(device_index)
+
+    return FakeCudaAccelerator()
 
 
 _ORIGINAL_TO = torch.Tensor.to
+_ORIGINAL_TYPE = torch.Tensor.type
+
+
+def _fake_type(tensor: torch.Tensor, dtype=None, non_blocking: bool = False, **kwargs):
+    """``tensor.type()`` names a fake GPU tensor's type as CUDA does (``torch.cuda.FloatTensor``; Megatron's
+    distributed optimizer checks it); with a type it converts as torch does."""
+    if dtype is not None or kwargs:
+        return _ORIGINAL_TYPE(tensor, dtype, non_blocking, **kwargs)
+    name = _ORIGINAL_TYPE(tensor)
+    if fake_device(tensor).type == "cuda" and not name.startswith("torch.cuda."):
+        name = name.replace("torch.", "torch.cuda.", 1)
+    return name
 _BASE_GRAD = torch._C.TensorBase.grad
 
 
@@ -500,9 +885,17 @@ class FakeNccl:
         self.rank = rank
         self.group_rank, self.world_size = group_rank, world_size
         self.calls: List[tuple] = []
+        self.gloo_calls: List[str] = []  # collectives on the gloo groups a job made beside NCCL's (host tensors)
+        self._gloo_groups: List[Any] = []
         self._undo: List[tuple] = []
 
-    def check(self, op: str, tensors: List[torch.Tensor]) -> None:
+    def _is_gloo(self, group) -> bool:
+        return any(group is g for g in self._gloo_groups)
+
+    def check(self, op: str, tensors: List[torch.Tensor], group=None) -> None:
+        if group is not None and self._is_gloo(group):
+            self.gloo_calls.append(op)
+            return
         if op == "c10d::barrier":
             if self.rank.current != self.rank.local_rank:
                 raise RuntimeError(f"NCCL barrier on cuda:{self.rank.current}, the current device; this rank's GPU "
@@ -531,8 +924,22 @@ class FakeNccl:
         for name in _C10D_STATE[1:-1]:
             setattr(c10d, name, {})
         dist.init_process_group("fake", store=FakeStore(), rank=self.group_rank, world_size=self.world_size)
-        for owner, name, value in ((dist, "get_backend", lambda group=None: "nccl"),
-                                   (c10d, "get_backend", lambda group=None: "nccl"),
+        new_group = c10d.new_group
+
+        def new_gloo_or_nccl_group(*args, backend=None, **kwargs):
+            # a gloo group beside NCCL's (Megatron's for its distributed optimizer's checkpoints) takes host
+            # tensors: made of the fake backend, its collectives are listed apart and not checked as NCCL's
+            group = new_group(*args, **kwargs)
+            if backend is not None and "gloo" in str(backend).lower():
+                self._gloo_groups.append(group)
+            return group
+
+        def backend_of(group=None):
+            return "gloo" if group is not None and self._is_gloo(group) else "nccl"
+
+        for owner, name, value in ((dist, "get_backend", backend_of), (c10d, "get_backend", backend_of),
+                                   (dist, "new_group", new_gloo_or_nccl_group),
+                                   (c10d, "new_group", new_gloo_or_nccl_group),
                                    (c10d, "_get_object_coll_device", lambda group=None: "cuda"),
                                    (torch.cuda.nccl, "version", lambda: (2, 0, 0))):  # c10d's logger, on a failure
             self._undo.append((owner, name, getattr(owner, name)))

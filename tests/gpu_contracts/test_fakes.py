@@ -50,27 +50,36 @@ def test_tensors_report_their_device_and_mixing_devices_raises(fake_gpu_rank):
 
 def test_work_runs_on_the_current_stream_of_its_device(fake_gpu_rank):
     """torch.cuda.stream(s) makes s current on s's device only: a copy of a cuda:3 tensor inside a stream of cuda:0
-    runs on cuda:3's current stream, which an event recorded on s does not cover."""
+    runs on cuda:3's current stream, which an event recorded on s does not cover: the host that waited for that
+    event and reads the copy reads it too early."""
     torch.cuda.set_device(3)
     grad = torch.ones(4, device="cuda:3")
-    host = torch.empty(4, pin_memory=True)
     wrong, right = torch.cuda.Stream(device=0), torch.cuda.Stream()
     assert (wrong.device, right.device) == (torch.device("cuda", 0), CUDA3)
+    hosts = {}
     for stream in (wrong, right):
+        hosts[stream] = host = torch.empty(4, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream())  # grad was made on cuda:3's default stream
         with torch.cuda.stream(stream):
             host.copy_(grad, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         assert torch.cuda.current_device() == 3 and torch.cuda.current_stream().default
         event.synchronize()
+        if stream is wrong:
+            with pytest.raises(RuntimeError, match="stream order: Tensor.tolist on the host uses .* aten::copy_ on "
+                                                   "<fake default stream of cuda:3>"):
+                host.tolist()
+    assert hosts[right].tolist() == [1.0] * 4
     misplaced, = fake_gpu_rank.misplaced_work()
     assert (misplaced.op, misplaced.context, misplaced.stream) == ("aten::copy_", wrong, torch.cuda.default_stream(3))
     assert [w.stream for w in fake_gpu_rank.works if w.to_host] == [torch.cuda.default_stream(3), right]
     with torch.cuda.stream(right):
-        host.copy_(grad, non_blocking=True)
+        hosts[right].copy_(grad, non_blocking=True)
     assert len(fake_gpu_rank.unwaited_copies()) == 1  # nothing waited for the last copy
     with pytest.raises(RuntimeError, match="record_stream: a tensor on cuda:3 recorded on a stream of cuda:0"):
         grad.record_stream(wrong)
+    torch.cuda.synchronize()  # the copies in flight: done before the buffers are freed
 
 
 def test_collectives_take_tensors_on_the_ranks_gpu_only(fake_nccl):
