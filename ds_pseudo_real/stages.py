@@ -102,6 +102,9 @@ class Starts(Mapping):
         self.peak_bytes = max(self.peak_bytes, made.numel() * made.element_size())
         return made
 
+    def __contains__(self, name: object) -> bool:  # Mapping's would make a noisy copy to answer
+        return name in self._shared
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._shared)
 

@@ -95,11 +95,9 @@ def _check_offloaded(results):
             assert (offloaded["pre"], offloaded["post"]) == (plain["pre"], plain["post"]), (levels, rank)
             first_real = pipeline_delink.SWITCH + 1
             assert offloaded["losses"][:first_real] == plain["losses"][:first_real], (levels, rank)
-            # after the real stage's first optimizer step: bit for bit at ZeRO 0; at ZeRO 1 the last bits differ
-            # (a relative 1e-7: docs/offload.md, "Model parallelism"), while the same levels without a delink are
-            # bit for bit
-            tolerance = {"rel": 1e-6, "abs": 0} if case[0] == 1 else {"rel": 0, "abs": 0}
-            assert offloaded["losses"] == pytest.approx(plain["losses"], **tolerance), (levels, rank)
+            # and after it: DeepSpeed's FusedAdam (the reference) and granular offload step with the same CPU
+            # kernel, whose bias correction both replay to the uninterrupted run's after the delink
+            assert offloaded["losses"] == plain["losses"], (levels, rank)
             stage = offloaded["stage_id"]
             for when, expected in PLANS[levels].items():
                 plan = offloaded["plans"][when]

@@ -27,6 +27,7 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
                             "get_data_types", "destroy",
                             "_get_zero_ckpt_name", "use_node_local_storage", "local_rank", "global_rank"),
         "deepspeed.utils.groups": ("_get_expert_data_parallel_group",),  # the report's parameters over all ranks
+        "FusedAdam": ("multi_tensor_adam", "_dummy_overflow_buf", "adam_w_mode"),  # its CPU kernel replayed
         "engine.optimizer": {
             "DeepSpeedZeroOptimizer": _FLAT_FRAGMENTS,
             "BF16_Optimizer": _FLAT_FRAGMENTS,

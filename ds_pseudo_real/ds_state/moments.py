@@ -9,6 +9,7 @@ import torch
 from deepspeed.utils import safe_get_full_optimizer_state, safe_set_full_optimizer_state
 
 from ..sharing import fill_copies
+from .guard import check_places
 from .layout import basic_optimizer, is_managed, master_of, optimizer_state, own_copy, stepped_tensors
 from .zero3 import resident_sub_group, set_zero3_partition, swapped_sub_group_of, swapped_sub_groups
 
@@ -236,20 +237,43 @@ def set_full_moments_of_copies(engine, params: Iterable[torch.nn.Parameter], mom
 
 
 def replay_cpu_adam_steps(engine) -> None:
-    """Bring the bias correction of the engine's DeepSpeed CPU Adam kernel (ZeRO's ``offload_optimizer``) to where a
-    run that stepped it from step 1 has it, for a new engine that starts at a later step: after a delink carries the
-    step counters, or a load restores them. The kernel (``Adam_Optimizer::IncrementStep``) multiplies beta^t by beta
-    at each new step but recomputes it with pow() after a jump, which differs in the last bit (beta2 = 0.999: at steps
-    3 and 6 from step 1; at steps 4, 5, 7 and 8 from a first step at 3), so an engine started at a later step would
-    leave the trajectory of the run it continues. Granular offload's kernel is replayed by its own optimizer
-    (``HostAdam.replay_kernel_steps``)."""
+    """Bring the bias correction of the engine's CPU Adam kernel to where a run that stepped it from step 1 has it,
+    for a new engine that starts at a later step: after a delink carries the step counters, or a load restores
+    them. DeepSpeed's CPU kernel (``Adam_Optimizer::IncrementStep``) multiplies beta^t by beta at each new step but
+    recomputes it with pow() after a jump, which differs in the last bit (beta2 = 0.999: at steps 3 and 6 from step
+    1; at steps 4, 5, 7 and 8 from a first step at 3), so an engine started at a later step would leave the
+    trajectory of the run it continues. Two optimizers step with it: DeepSpeed CPU Adam (ZeRO's
+    ``offload_optimizer``), an instance per optimizer, and FusedAdam on the CPU accelerator, whose op keeps one
+    instance per Adam mode for the whole process (``csrc/cpu/adam/fused_adam.cpp``), which ZeRO 1/2's first
+    zero-gradient step of a new engine (``initialize_optimizer_states``) moves to step 1. FusedAdam on CUDA
+    recomputes the correction at every step: nothing to replay. Granular offload's kernel is replayed by its own
+    optimizer (``HostAdam.replay_kernel_steps``)."""
     optimizer = basic_optimizer(engine)
-    kernel, opt_id = getattr(optimizer, "ds_opt_adam", None), getattr(optimizer, "opt_id", None)
-    if kernel is None or opt_id is None:
-        return
     step = step_counters(engine)["state_step"]
-    replay_kernel_steps(optimizer, int(step.item()) if torch.is_tensor(step) else int(step or 0),
-                        optimizer.param_groups[0])
+    last_step = int(step.item()) if torch.is_tensor(step) else int(step or 0)
+    if getattr(optimizer, "ds_opt_adam", None) is not None and getattr(optimizer, "opt_id", None) is not None:
+        replay_kernel_steps(optimizer, last_step, optimizer.param_groups[0])
+    elif _fused_adam_on_cpu(optimizer):
+        check_places("pseudo_to_real", {"FusedAdam": optimizer})
+        replay_fused_adam_kernel(optimizer, last_step, optimizer.param_groups[0])
+
+
+def _fused_adam_on_cpu(optimizer) -> bool:
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import FusedAdam
+
+    return isinstance(optimizer, FusedAdam) and get_accelerator().device_name() == "cpu"
+
+
+def replay_fused_adam_kernel(optimizer, last_step: int, group: Dict[str, Any]) -> None:
+    """Steps 1..``last_step`` of the kernel of ``optimizer`` (DeepSpeed's FusedAdam on the CPU: its op's
+    ``multi_tensor_adam``) with lr and weight decay 0 on a one-element dummy: only the bias correction of the op's
+    kernel for ``optimizer``'s Adam mode moves."""
+    beta1, beta2 = group["betas"]
+    dummy = [[torch.zeros(1)] for _ in range(4)]  # gradients, params, first and second moments
+    for step in range(1, last_step + 1):
+        optimizer.multi_tensor_adam(2048 * 32, optimizer._dummy_overflow_buf, dummy, 0.0, beta1, beta2, group["eps"],
+                                    step, optimizer.adam_w_mode, int(group["bias_correction"]), 0.0)
 
 
 def replay_kernel_steps(cpu_adam, last_step: int, group: Dict[str, Any]) -> None:

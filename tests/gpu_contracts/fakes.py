@@ -20,22 +20,31 @@ Or without pytest: ``with FakeGpuRank(local_rank=1, device_count=2) as rank: ...
 :class:`FakeGpuRank` (a device is a tag on a tensor's storage, the data stay on the CPU):
   - ``torch.cuda`` is available with ``device_count`` devices (compute capability 9.0, bf16 supported), the current
     device is 0 until ``set_device`` (as in a fresh process), ``LOCAL_RANK`` is set, and DeepSpeed's accelerator
-    is its CUDA one.
-  - Tensors made with ``device="cuda[:N]"`` (factories, ``torch.tensor``), by ``.to``/``.cuda()``, or by any op on
-    such tensors report that device; ``.to("cpu")``/``.cpu()`` copies to a host tensor. An op mixing two devices
-    raises as CUDA does (a 0-dim host tensor is a scalar and allowed); copies across devices are allowed. Autograd
-    works (the backward's ops are checked and placed the same way), so gradients of a model on a fake device are on
-    it.
+    is its own CUDA one over the fake devices (:func:`fake_cuda_accelerator`): DeepSpeed's engine runs on them.
+  - Tensors made with ``device="cuda[:N]"`` or ``device=N`` (factories, ``torch.tensor``), by ``.to``/``.cuda()``,
+    or by any op on such tensors report that device; ``.to("cpu")``/``.cpu()`` copies to a host tensor; meta tensors
+    stay meta. An op mixing two devices raises as CUDA does; a host tensor is taken beside device tensors only
+    where CUDA takes one (a 0-dim input of a pointwise op, ``fill_``, ``masked_fill``, ``_foreach_`` ops and
+    indexing, whose indices may be on the host); copies across devices are allowed. Autograd works (the backward's
+    ops are checked and placed the same way), so gradients of a model on a fake device are on it. Random ops on a
+    fake GPU draw from its own generator (``torch.cuda.manual_seed``), not the CPU's.
   - ``pin_memory=True`` allocations work and report ``is_pinned()``; ``torch.cuda.cudart()`` registers host memory
     (:class:`FakeCudart`, :attr:`FakeGpuRank.cudart`: what is registered, every call). Assigning ``.grad`` checks
     the devices as torch does (autograd itself may leave a gradient on another device than its tensor's data, as on
-    CUDA).
+    CUDA). ``tensor.type()`` names a fake GPU tensor's CUDA type.
   - Streams and events record their device. Every op touching a device tensor is logged as :class:`Work` on the
     stream it runs on as CUDA would run it: the current stream *of the tensor's device*, whichever stream
     ``torch.cuda.stream(s)`` made current (for ``s`` of another device that is not ``s``).
     :meth:`FakeGpuRank.misplaced_work` lists the work issued inside a side stream's context that did not run on it
     (an event recorded on that stream would not cover it); :meth:`FakeGpuRank.unwaited_copies` the copies to host
     memory made on a side stream that no event synchronize (or stream/device synchronize) covered.
+  - Stream order: each write to a storage's bytes is kept with its stream; an op on another stream, or the host
+    (an op on a host tensor, ``tolist``, ``numpy``, ``.item()``, DeepSpeed's CPU Adam kernel), that reads or writes
+    them before a wait covers that write raises ``fake CUDA stream order: ...``. A stream's wait covers what it
+    waited for (``wait_stream``, ``wait_event``: transitively); the host's (an event's or stream's ``synchronize``,
+    ``torch.cuda.synchronize``, a blocking copy to the host) covers every stream's later work. A device block freed
+    while another stream used it, neither recorded (``record_stream``) nor waited for, is listed in
+    :attr:`FakeGpuRank.unsafe_frees`; leaving the context raises for it.
   - :attr:`FakeGpuRank.touched` lists every device a tensor, stream, event or piece of work was on (a CUDA context);
     :attr:`FakeGpuRank.allocations` every storage made on a fake GPU (:class:`Allocation`: op, device, bytes,
     shape), :meth:`FakeGpuRank.live_bytes` the bytes of those still alive.
@@ -44,11 +53,13 @@ Or without pytest: ``with FakeGpuRank(local_rank=1, device_count=2) as rank: ...
   with device type cpu", a tensor on another GPU raises too (one communicator per rank and GPU); a barrier needs the
   current device to be the rank's. ``get_backend`` says ``nccl``, object collectives go through the current device.
   The process group is torch's "fake" backend (``FakeStore``), rank 3 of 8 by default: all_gather gives every rank
-  this rank's data, all_reduce leaves the tensor as it is. An existing default process group (another test's) is
-  set aside and restored.
+  this rank's data, all_reduce leaves the tensor as it is, a broadcast leaves each rank its own. A group made for
+  gloo (``new_group(backend="gloo")``) takes host tensors unchecked. An existing default process group (another
+  test's) and DeepSpeed's cached groups are set aside and restored. :attr:`FakeNccl.sites` keeps the lines of the
+  project's code that issued a collective.
 
-What it cannot check: kernels' timing (a wrong stream is reported, never raced), memory limits, NCCL's own
-numerics, anything CUDA-only in C++ (DeepSpeed's CUDA ops).
+What it cannot check: kernels' timing (a race is reported, never run), a buffer overwritten while a stream still
+reads it, memory limits, NCCL's own numerics and data movement, anything CUDA-only in C++ (DeepSpeed's CUDA ops).
 """
 from __future__ import annotations
 
@@ -56,6 +67,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import sys
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -337,6 +349,9 @@ _HOST_SCALAR_OPS = ("aten::fill_", "aten::masked_fill_", "aten::masked_fill", "a
 # value of a Python scalar on the device of ``t``, which here is the CPU)
 _INDEX_OPS = ("aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_")
 _COPIES = ("aten::copy_", "aten::_copy_from")
+# In-place ops that change a tensor's metadata only (which storage, shape, strides): no kernel reads or writes data
+_METADATA_OPS = {"aten::set_", "aten::resize_", "aten::as_strided_", "aten::squeeze_", "aten::unsqueeze_",
+                 "aten::t_", "aten::transpose_", "aten::swapdims_", "aten::swapaxes_", "aten::detach_"}
 
 
 def _allowed_on_host(func, name: str, args, written: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -394,7 +409,7 @@ class _Mode(TorchDispatchMode):
                                f"{a} and {b}! (fake CUDA: {name})")
         device = target if target is not None and target.type == "cuda" else \
             next((d for d in devices if d.type == "cuda"), None)
-        mutable = func._schema.is_mutable
+        mutable = func._schema.is_mutable and name not in _METADATA_OPS
         if mutable:  # checked before it writes anything
             self.rank.ordered(name, tensors, written, device)
         if device is not None and torch.Tag.nondeterministic_seeded in func.tags:
@@ -877,9 +892,53 @@ _C10D_STATE = ("_world", "_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend
                "_group_count")
 
 
+def _set_aside_deepspeed_groups() -> Dict[str, Any]:
+    """DeepSpeed's module-level group caches (0.19.8 ``deepspeed.utils.groups``: the world clone its data parallelism
+    uses, expert and model-parallel groups, the mpu), emptied for the fake world and returned to be put back: a
+    group cached in another test's world would stand for this one (one rank of gloo: DeepSpeed then skips its
+    collectives)."""
+    try:
+        from deepspeed.utils import groups
+    except ImportError:
+        return {}
+    saved = {}
+    for name, value in vars(groups).items():
+        if name in ("mpu", "mesh_device") or (name.startswith("_") and name.isupper() and not isinstance(value, str)):
+            saved[name] = value
+            setattr(groups, name, {} if isinstance(value, dict) else None)
+    return saved
+
+
+def _restore_deepspeed_groups(saved: Dict[str, Any]) -> None:
+    if saved:
+        from deepspeed.utils import groups
+
+        for name, value in saved.items():
+            setattr(groups, name, value)
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PROJECT = tuple(os.path.join(_REPO, folder) + os.sep for folder in ("ds_pseudo_real", "megatron_patches", "launch",
+                                                                      "benchmarks"))
+
+
+def _project_call_site() -> Optional[tuple]:
+    """(path in the repository, line) of the innermost frame of the project's own code on the stack: where the
+    project issued the collective being checked (directly, or through DeepSpeed's or Megatron's code)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_PROJECT):
+            return os.path.relpath(frame.f_code.co_filename, _REPO), frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
 class FakeNccl:
     """Collectives as NCCL takes them, for the :class:`FakeGpuRank` ``rank`` (see the module's docstring).
-    ``calls`` lists ``(op, devices of its tensors)`` of every collective that passed."""
+    ``calls`` lists ``(op, devices of its tensors)`` of every collective that passed; :attr:`sites` (this process's,
+    across instances) the project's lines that issued one, ``(path, line)``."""
+
+    sites: set = set()
 
     def __init__(self, rank: FakeGpuRank, group_rank: int = 3, world_size: int = 8):
         self.rank = rank
@@ -896,6 +955,9 @@ class FakeNccl:
         if group is not None and self._is_gloo(group):
             self.gloo_calls.append(op)
             return
+        site = _project_call_site()
+        if site is not None:
+            FakeNccl.sites.add(site)
         if op == "c10d::barrier":
             if self.rank.current != self.rank.local_rank:
                 raise RuntimeError(f"NCCL barrier on cuda:{self.rank.current}, the current device; this rank's GPU "
@@ -924,6 +986,7 @@ class FakeNccl:
         for name in _C10D_STATE[1:-1]:
             setattr(c10d, name, {})
         dist.init_process_group("fake", store=FakeStore(), rank=self.group_rank, world_size=self.world_size)
+        self._saved_deepspeed_groups = _set_aside_deepspeed_groups()
         new_group = c10d.new_group
 
         def new_gloo_or_nccl_group(*args, backend=None, **kwargs):
@@ -952,6 +1015,7 @@ class FakeNccl:
         from torch.distributed import distributed_c10d as c10d
 
         self.rank.nccl = None
+        _restore_deepspeed_groups(self._saved_deepspeed_groups)
         dist.destroy_process_group()  # unregisters every group, those set aside too: registered again below
         for owner, name, old in reversed(self._undo):
             setattr(owner, name, old)

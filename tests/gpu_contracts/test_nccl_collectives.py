@@ -187,3 +187,36 @@ def test_the_zero_gradient_a_skipped_host_params_layer_gets_is_on_the_ranks_gpu(
     grads, _ = DeepSpeedEngine._get_gradients_for_reduction(SimpleNamespace(module=model, has_moe_layers=False))
     for _, bucket in split_half_float_double_sparse(grads)[1]:
         assert _flatten_dense_tensors(bucket).device == CUDA3  # DeepSpeed's flat all-reduce bucket
+
+
+def test_megatron_stage_copies_are_synced_and_summed_on_the_device(fake_nccl, monkeypatch):
+    """A pseudo block's set held on two pipeline stages (ranks 3 and 7 of a pipeline of 2 x 4 data-parallel
+    ranks): ``connect`` gathers what every rank holds (an object collective, on the current device), makes the
+    group of the set's holders and gives every copy the first one's values; ``reduce_gradients`` sums the copies'
+    gradients over it. The fake group gives every rank this rank's report: the others' are what ranks 0-7 of that
+    pipeline would report."""
+    from megatron_patches import stage_copies
+    from megatron_patches.stage_copies import Holding, StageCopies
+
+    torch.cuda.set_device(3)
+    gather = torch.distributed.all_gather_object
+
+    def all_gather_object(reports, mine):
+        gather(reports, mine)
+        for rank in range(WORLD):
+            pipeline = (rank % 4, rank % 4 + 4)
+            reports[rank] = Holding(rank, pipeline, mine.groups if pipeline == mine.pipeline else frozenset())
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    layer = torch.nn.Linear(4, 4).to(CUDA3)
+    chunk = torch.nn.Module()
+    chunk.layer = layer
+    chunk.stage_copies = StageCopies({0: (layer, 0)}, torch.distributed.new_group([3, 7]))
+    weight = layer.weight.detach().clone()
+    stage_copies.connect([chunk])
+    assert torch.equal(layer.weight, weight) and list(chunk.stage_copies.process_groups) == [0]
+    layer(torch.ones(2, 4, device=CUDA3)).sum().backward()
+    grad = layer.weight.grad.clone()
+    stage_copies.reduce_gradients([chunk])
+    assert torch.equal(layer.weight.grad, grad)  # the fake sum over the two holders: this rank's own
+    assert [op for op, _ in fake_nccl.calls] == ["c10d::allgather_"] * 2 + ["c10d::allreduce_"] * 2

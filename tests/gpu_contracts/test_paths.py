@@ -1,0 +1,263 @@
+"""The real paths on a fake GPU rank under the fake NCCL: DeepSpeed's own engine (its CUDA accelerator, over the fake
+devices), the main job's training loop, the delink at ZeRO 0-3, a PipelineModule with granular offload, and the
+Megatron drop-in's delink with Megatron's DDP and optimizers.
+
+Each runs as local rank 3 of a node with 8 GPUs and fails if an op mixes devices, a collective gets a host tensor
+or another GPU's, work reads what another stream (or a copy to the host) writes before waiting for it, a block is
+freed while another stream uses it, or any tensor, stream, event or work lands on another GPU than cuda:3.
+
+What the fake process group cannot do decides two things here. It moves no data between ranks, so values computed
+from other ranks' data are this rank's own, and a check that compares what rank 0 broadcast with what this rank
+holds can pass on rank 0 only: ZeRO 3 (whose ``assert_ints_same_as_other_ranks`` does that) runs as group rank 0
+of 8, still on GPU 3. A pipeline's first stage is driven: a later stage would wait for the first stage's activation
+shapes, which the fake group never sends."""
+import json
+import os
+import signal
+import sys
+import warnings
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gpu_contracts.fakes import FakeGpuRank, FakeNccl
+
+TESTS = Path(__file__).resolve().parents[1]
+for folder in ("offload", "scripts", "megatron/workers"):
+    sys.path.insert(0, str(TESTS / folder))
+from tiny_model import TinyLM, batch  # noqa: E402
+
+import ds_pseudo_real  # noqa: E402
+from ds_pseudo_real import stages  # noqa: E402
+
+CUDA3 = torch.device("cuda", 3)
+WORLD = 8
+
+
+@pytest.fixture
+def fake_world(request):
+    """Local rank 3 of 8 fake GPUs in a fake NCCL world of 8, as group rank ``request.param`` (default 3)."""
+    group_rank = getattr(request, "param", 3)
+    with FakeGpuRank(local_rank=3, device_count=WORLD) as rank, FakeNccl(rank, group_rank, WORLD) as nccl:
+        yield rank, nccl
+        # nothing ran anywhere but on this rank's GPU, and nothing was left for the host to read unwaited
+        assert rank.touched == {CUDA3}
+        assert {a.device for a in rank.allocations} == {CUDA3}
+        assert rank.misplaced_work() == [] and rank.unwaited_copies() == []
+        assert nccl.calls and all(devices == [CUDA3] * len(devices) for _, devices in nccl.calls)
+
+
+def tiny_config(stage, **extra):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**6, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    cfg.update(extra)
+    return cfg
+
+
+# ---- the main job ---------------------------------------------------------------------------------------------
+MAIN_JOB_CASES = {
+    "zero1": (1, None, 3),
+    "zero2_host_params": (2, {"0": "host_params", "1": "host_optimizer"}, 3),
+    "zero0_host_params": (0, {"0": "host_params", "1": "host_optimizer"}, 3),
+    "zero3": (3, None, 0),
+}
+
+
+@pytest.mark.parametrize("fake_world,stage,levels", [pytest.param(group_rank, stage, levels, id=name)
+                                                     for name, (stage, levels, group_rank) in MAIN_JOB_CASES.items()],
+                         indirect=["fake_world"])
+def test_the_main_jobs_loop_runs_on_the_ranks_gpu(fake_world, stage, levels, tmp_path, monkeypatch):
+    """``launch/train.py``'s ``train`` for 4 steps, delinking at step 2, evaluating at steps 2 and 4 and saving at
+    the end: every loss and evaluation sum is all-reduced on cuda:3."""
+    from launch import train as main_job
+
+    rank, nccl = fake_world
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**6,
+           "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+           "zero_optimization": {"stage": stage},
+           "pseudo_to_real": {"groups": 1, "switch": {"at_step": 2}, "optimizer_state": "scale"}}
+    if levels:
+        cfg["granular_offload"] = {"levels": levels}
+        del cfg["optimizer"]["params"]["torch_adam"]  # granular offload steps with DeepSpeed's kernels
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    summed = []
+    sum_over_ranks = main_job.sum_over_ranks
+
+    def spy(values, device):
+        summed.append((len(values), device))
+        return sum_over_ranks(values, device)
+
+    monkeypatch.setattr(main_job, "sum_over_ranks", spy)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        args = main_job.parse_args([
+            "--deepspeed_config", str(tmp_path / "c.json"), "--output-dir", str(tmp_path / "run"), "--steps", "4",
+            "--eval-interval", "2", "--eval-batches", "2", "--n-layer", "4", "--d-model", "32", "--n-head", "2",
+            "--seq-len", "16", "--corpus-bytes", "200000"])
+        assert main_job.train(args) == 0
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    # 4 steps' loss sums (with the stop flag) and 2 evaluations, each one all-reduce of a tensor on cuda:3
+    assert summed == [(2, CUDA3)] * 2 + [(1, CUDA3)] + [(2, CUDA3)] * 2 + [(1, CUDA3)]
+    # the last step's checkpoint: this rank's partition of the optimizer state under ZeRO (rank 0 publishes the
+    # folder once every rank wrote its own; at ZeRO 0 rank 0 writes everything)
+    folder, = (tmp_path / "run" / "checkpoints").glob("global_step4*")
+    assert stage == 0 or list(folder.glob(f"*_rank_{nccl.group_rank}_*optim_states.pt"))
+    if nccl.group_rank == 0:  # rank 0 writes the metrics: the delink at step 2, evaluations at 2 and 4
+        records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in records if "step" in r and "event" not in r]
+        assert [(r["step"], r["stage"], "val_loss" in r) for r in steps] == [
+            (1, "pseudo", False), (2, "pseudo", True), (3, "real", False), (4, "real", True)]
+
+
+# ---- the delink -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fake_world,stage", [(3, 0), (3, 1), (3, 2), (0, 3)], indirect=["fake_world"],
+                         ids=["zero0", "zero1", "zero2", "zero3"])
+def test_the_delink_runs_on_the_ranks_gpu(fake_world, stage, monkeypatch):
+    """The delink's gathered fp32 weights and moments wait on the host, the device keeping none of them, and
+    ``delink_noise`` makes one noisy copy at a time, on the host, each written into its layer and dropped."""
+    rank, _ = fake_world
+    gathered, noisy, held = {}, [], []
+    gather, read = stages.ds_state.gather_full_state, stages.Starts.__getitem__
+
+    def gather_spy(engine, *args):
+        before = rank.live_bytes(3)
+        weights, moments = gather(engine, *args)
+        gathered.update(weights=weights, moments=moments, kept=rank.live_bytes(3) - before)
+        return weights, moments
+
+    def read_spy(starts, name):
+        held.append(sum(ref() is not None for ref in noisy))  # noisy copies still alive when one more is made
+        value = read(starts, name)
+        if starts.made_on_read(name):
+            noisy.append(weakref.ref(value))
+            assert value.device.type == "cpu"
+        return value
+
+    monkeypatch.setattr(stages.ds_state, "gather_full_state", gather_spy)
+    monkeypatch.setattr(stages.Starts, "__getitem__", read_spy)
+    torch.manual_seed(0)
+    cfg = tiny_config(stage, pseudo_to_real={"layers": "layers", "switch": {"at_step": 2}, "delink_noise": 0.01})
+    engine, *_ = ds_pseudo_real.initialize(model=TinyLM(), config=cfg)
+    losses = []
+    for step in range(3):
+        x, y = batch(step, 3)
+        loss = engine(x.to(CUDA3), y.to(CUDA3))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert engine.stage == "real" and torch.isfinite(torch.tensor(losses)).all()
+    assert all(p.device == CUDA3 for p in engine.module.parameters())
+    tensors = [*gathered["weights"].values(), *(t for per in gathered["moments"].values() for t in per.values())]
+    assert tensors and all(t.device.type == "cpu" for t in tensors)
+    assert gathered["kept"] <= 0  # what DeepSpeed handed over on the device is freed
+    assert len(noisy) == 3 * 6 and max(held) == 0  # layers 1-3's 6 parameters each, one at a time
+    engine.engine.destroy()
+
+
+# ---- DeepSpeed's pipeline engine ------------------------------------------------------------------------------
+def test_a_pipeline_with_granular_offload_runs_on_the_ranks_gpu(fake_world):
+    """Stage 0 of 2 x 4 data-parallel ranks: the pseudo stage's tied set at host_optimizer (ZeRO 1) and each stage's
+    own set at host_params (ZeRO 0), through the delink at step 3; and host_params for the set both stages hold,
+    refused on every stage after an all-reduce on the device."""
+    import deepspeed
+    import pipeline_delink as pd
+    from ds_pseudo_real.config import ConfigError
+
+    deepspeed.init_distributed()
+    torch.cuda.set_device(3)
+    for zero, groups, offload in ((1, 1, "spanning"), (0, 2, "in_stage")):
+        engine, *_ = ds_pseudo_real.initialize(model=pd.pipeline_module(),
+                                               config=pd.config(zero, groups, "copy", "fp32", offload))
+        assert engine.engine.stage_id == 0 and engine.offload_plan is not None
+        for step in range(1, 6):
+            assert engine.train_batch(iter(pd.batches(step, 0))).device == CUDA3
+        assert engine.stage == "real" and engine.offload_plan is not None
+        engine.engine.destroy()
+    refused = pd.config(1, 1, "copy", "fp32", "no_offload")
+    refused["granular_offload"] = {"levels": {"1": "host_params"}}
+    with pytest.raises(ConfigError, match="a module that other pipeline stages hold too"):
+        ds_pseudo_real.initialize(model=pd.pipeline_module(), config=refused)
+
+
+# ---- the Megatron drop-in -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["distributed_optimizer", "ddp"])
+def test_the_megatron_drop_ins_delink_runs_on_the_ranks_gpu(fake_world, distributed_optimizer):
+    """The drop-in's own delink (``PseudoToRealRun.train_step``, its model provider and ``delink``) on megatron-core's
+    GPTModel under its DistributedDataParallel (overlapped gradient reduction) and optimizer, built and stepped on
+    cuda:3 with Megatron's own CUDA code (no CPU compatibility layer): 4 iterations, the switch at iteration 2."""
+    import mcore_setup as ms
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    from megatron_patches.run import PseudoToRealRun, StageLayout
+
+    rank, nccl = fake_world
+    torch.cuda.set_device(3)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        model_parallel_cuda_manual_seed(1)
+        cfg = ms.config(num_layers=4, use_cpu_initialization=False)
+        args = SimpleNamespace(pseudo_to_real_switch_iter=2, pseudo_to_real_groups=1, num_layers=4,
+                               pseudo_to_real_real_layout=None, m6_expert_prototypes=None, save=None, load=None,
+                               ckpt_step=None, train_iters=4, virtual_pipeline_model_parallel_size=None,
+                               use_distributed_optimizer=distributed_optimizer,
+                               dist_ckpt_optim_fully_reshardable=False, pseudo_to_real_optimizer_state="copy",
+                               curr_iteration=0)
+
+        def setup_model_and_optimizer(model_provider, model_type):  # as Megatron-LM's, on the current device
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                                                       use_distributed_optimizer=distributed_optimizer)
+            chunks = [DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=model_provider().cuda())]
+            optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0,
+                                                               use_distributed_optimizer=distributed_optimizer),
+                                               chunks)
+            return chunks, optimizer, None
+
+        run = PseudoToRealRun(SimpleNamespace(setup_model_and_optimizer=setup_model_and_optimizer), lambda: args,
+                              lambda *a, **k: ms.gpt(cfg, None, seed=3), None, StageLayout())
+        model, optimizer, _ = setup_model_and_optimizer(run.model_provider, None)
+        pseudo = model[0].module
+        tokens, positions, mask, _ = (t.cuda() if t is not None else None for t in ms.batch(seed=7))
+
+        def forward_step(data, chunk):
+            out = chunk(tokens, positions, mask, labels=torch.roll(tokens, -1, 1))
+            return out, lambda o: (o.float().sum(), torch.tensor(o.numel(), dtype=torch.int, device="cuda"),
+                                   {"lm loss": o.float().sum().detach()})
+
+        def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config):
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            reports = get_forward_backward_func()(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model, num_microbatches=2,
+                seq_length=ms.SEQ, micro_batch_size=ms.BATCH, forward_only=False)
+            optimizer.step()
+            return float(sum(r["lm loss"] for r in reports))
+
+        config = model[0].config
+        config.grad_scale_func, config.finalize_model_grads_func = optimizer.scale_loss, finalize_model_grads
+        config.no_sync_func, config.grad_sync_func = model[0].no_sync, model[0].start_grad_sync
+        step = run.train_step(train_step)
+        losses = []
+        for iteration in range(4):
+            args.curr_iteration = iteration
+            losses.append(step(forward_step, iter([None, None]), model, optimizer, None, config))
+        real = model[0].module
+        assert real is not pseudo and not run.pseudo_stage and torch.isfinite(torch.tensor(losses)).all()
+        layer_weights = [layer.self_attention.linear_qkv.weight for layer in real.decoder.layers]
+        assert len({id(w) for w in layer_weights}) == 4 and all(w.device == CUDA3 for w in layer_weights)
+        assert config.grad_scale_func == optimizer.scale_loss  # the train hooks follow the new optimizer
+        if distributed_optimizer:  # its gloo groups (checkpoint gathers) stay apart from NCCL's checks
+            assert nccl.calls and {op for op, _ in nccl.calls} >= {"c10d::reduce_scatter_tensor_coalesced_"}
+    finally:
+        get_cuda_rng_tracker().reset()
+        parallel_state.destroy_model_parallel()
