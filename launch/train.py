@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 import ds_pseudo_real
 from ds_pseudo_real.checkpoint import CheckpointError, claim
+from ds_pseudo_real.child_processes import end_children_with_this_process
 from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.data import BYTE_VOCAB, build_corpus, indexed_vocabulary
 from ds_pseudo_real.device import use_collective_timeout, use_rank_device
@@ -284,6 +285,7 @@ def check(args: argparse.Namespace) -> int:
 
 def train(args: argparse.Namespace) -> int:
     stopper = StopOnSignal()  # first: a preemption during start-up must not kill the rank without a checkpoint
+    end_children_with_this_process()  # whatever this rank starts (data workers, writers) ends with it
     single_process_defaults()
     use_rank_device()  # NCCL's communicator and every object collective use the current device
     use_collective_timeout()  # DEEPSPEED_TIMEOUT for DeepSpeed's own groups too, not only for the world group

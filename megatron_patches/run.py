@@ -511,8 +511,10 @@ def uninstall() -> None:
 def run_script(script: str, args: List[str]) -> None:
     """Run SCRIPT as ``__main__`` with ARGS as its command line, the drop-in installed for the run (and removed
     after it). The process group and Megatron-LM's global state are left as the script leaves them."""
+    from ds_pseudo_real.child_processes import end_children_with_this_process
     from megatron_patches import cpu_compat
 
+    end_children_with_this_process()  # Megatron's checkpoint writers and results Manager end with the rank
     cpu_compat.install_training()  # a no-op when CUDA is available
     install()
     sys.argv = [script, *args]

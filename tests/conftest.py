@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -93,13 +95,65 @@ def deepspeed_ops():
     yield
 
 
+# Set in the environment of every job a test launches (``launch_marker``): every process of that launch, children of
+# its ranks included, carries it.
+LAUNCH_MARKER = "DS_PSEUDO_REAL_TEST_LAUNCH"
+
+
+def launch_marker(env: dict) -> str:
+    """Give the launch whose environment ``env`` is a marker of its own (returned)."""
+    env[LAUNCH_MARKER] = uuid.uuid4().hex
+    return env[LAUNCH_MARKER]
+
+
+def processes_of_launch(marker: str) -> list:
+    """The live processes (zombies left out: they have ended) whose environment carries ``marker``."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["status"]):
+        try:
+            if process.info["status"] != psutil.STATUS_ZOMBIE and process.environ().get(LAUNCH_MARKER) == marker:
+                found.append(process)
+        except psutil.Error:  # ended meanwhile, or not ours to read
+            continue
+    return found
+
+
+def nothing_left_of_launch(marker: str, timeout: float = 10.0) -> str:
+    """Wait up to ``timeout`` s for every process of the launch ``marker`` to end; kill what is left and return a
+    description of it ('' when nothing was left)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = processes_of_launch(marker)
+        if not left:
+            return ""
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    described = []
+    for process in left:
+        try:
+            described.append(f"pid {process.pid} (parent {process.ppid()}, {process.status()}, started "
+                             f"{time.time() - process.create_time():.1f} s ago): {' '.join(process.cmdline())[:300]}")
+            process.kill()
+        except psutil.Error:
+            continue
+    return "; ".join(described)
+
+
 def run_main_job(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
     """``launch/train.py ARGS`` in one process (the job's own single-rank defaults); fail the test with the output
     if it does not exit ``expect``."""
     env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONPATH=python_path())
+    marker = launch_marker(env)
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), *args], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == expect, proc.stdout[-4000:] + proc.stderr[-4000:]
+    left = nothing_left_of_launch(marker)
+    assert not left, f"the main job left processes behind: {left}"
     return proc
 
 
@@ -109,9 +163,12 @@ def run_two_ranks(script: Path, *args: str, timeout: float = 600, env_extra=None
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     env.update(env_extra or {})
+    marker = launch_marker(env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
            str(free_port()), str(script), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    left = nothing_left_of_launch(marker)
+    assert not left, f"{' '.join(cmd)} left processes behind: {left}"
     return proc

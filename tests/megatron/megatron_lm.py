@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Dict, Iterable, Optional
 
 import pytest
-from conftest import free_port, python_path
+from conftest import free_port, launch_marker, nothing_left_of_launch, python_path
 
 from megatron_patches.run import TRACKER_FILE
 
@@ -96,12 +96,16 @@ def launch(nproc: int, *program: str, cwd: Path, expect_ok: bool = True, env_ext
     # with them compiled (env_extra={"TORCH_COMPILE_DISABLE": "0"} for a launch compared with it).
     env["TORCH_COMPILE_DISABLE"] = "1"
     env.update(env_extra or {})
+    marker = launch_marker(env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(free_port()), *program]
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if expect_ok and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                     f"--- stderr\n{proc.stderr[-8000:]}")
+    # every process the ranks started (Megatron's checkpoint writers, its results Manager) ended with them
+    left = nothing_left_of_launch(marker)
+    assert not left, f"{' '.join(cmd)} left processes behind: {left}"
     return proc
 
 

@@ -32,6 +32,9 @@ def main(steps_file: str) -> None:
     # script (runpy), whose imports (megatron.training, transformers) cost that process about 5 s of CPU; made here
     # first, by the same function, with this file as __main__, the same queue costs it a fraction of a second. What
     # the writer does with the queue is unchanged.
+    from ds_pseudo_real.child_processes import end_children_with_this_process
+
+    end_children_with_this_process()  # as run_script does, before the queue's Manager process starts
     _get_write_results_queue()
 
     dist.init_process_group("gloo")  # before a copy step's barrier; Megatron-LM takes an initialised group as it is
