@@ -66,7 +66,9 @@ def start_children(tmp_path, install: bool):
     # no pipe: children that outlive it would hold it open
     proc = subprocess.run([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL,
                           stderr=open(tmp_path / "stderr", "w"), timeout=120)
-    assert proc.returncode == -signal.SIGKILL, (tmp_path / "stderr").read_text()[-3000:]
+    if proc.returncode != -signal.SIGKILL:
+        nothing_left_of_launch(marker, timeout=0)  # kills what it started
+        pytest.fail(f"exited {proc.returncode}: {(tmp_path / 'stderr').read_text()[-3000:]}")
     return [int(pid) for pid in pids.read_text().split()], marker
 
 
