@@ -10,9 +10,11 @@ that program's to end (they are short-lived compiler or tool runs here).
 Which children this covers, in the main job and the Megatron drop-in: Megatron's checkpoint writer processes
 (forked), its ``--async-save`` workers (forked, or spawned and persistent), the Manager process that keeps its write
 results (spawned; megatron-core 0.16.1 ``filesystem_async.get_write_results_queue``), DataLoader workers, and
-anything else started with ``os.fork`` or ``multiprocessing``. Each child gets the kernel's parent-death signal
-(SIGKILL when its parent exits), set as it starts; a child forked by a thread other than the main one is watched by
-a thread of its own instead (the kernel signals at the exit of the thread that forked, not of the process). The
+anything else started with ``os.fork`` or ``multiprocessing``, and what those start in turn (the persistent worker
+forks the file writers): a forked child inherits the hooks, a spawned one installs them first thing. Each child gets
+the kernel's parent-death signal (SIGKILL when its parent exits), set as it starts; a child forked by a thread other
+than the main one is watched by a thread of its own instead (the kernel signals at the exit of the thread that
+forked, not of the process). The
 resource tracker ``multiprocessing`` starts needs nothing: it exits once every process holding its pipe is gone,
 after unlinking what they left.
 """
@@ -59,10 +61,9 @@ def _before_fork() -> None:
     _forking = (os.getpid(), threading.current_thread() is threading.main_thread())
 
 
-def _after_fork_in_child() -> None:
-    if _forking is None:
-        return
-    parent, from_main_thread = _forking
+def _ends_with_parent(parent: int, from_main_thread: bool) -> None:
+    """In a new child of ``parent``: end with it (the kernel's signal when the main thread started the child, else
+    a watching thread), or now if it is already gone."""
     if from_main_thread:
         die_with_parent(parent)
     else:
@@ -71,27 +72,27 @@ def _after_fork_in_child() -> None:
             os._exit(1)
 
 
-_SPAWNED_DIES_WITH_PARENT = """import ctypes as _ctypes, os as _os
-_ctypes.CDLL(None).prctl({option}, {signum}, 0, 0, 0)
-_os.getppid() == {parent} or _os._exit(1)
-"""
-_SPAWNED_WATCHES_PARENT = """import os as _os, signal as _signal, threading as _threading
-def _watch_parent():
-    while _os.getppid() == {parent}:
-        _threading.Event().wait({interval})
-    _os.kill(_os.getpid(), _signal.SIGKILL)
-_threading.Thread(target=_watch_parent, name="parent-watch", daemon=True).start()
-_os.getppid() == {parent} or _os._exit(1)
-"""
+def _after_fork_in_child() -> None:
+    if _forking is not None:  # the hooks themselves are inherited with the parent's memory
+        _ends_with_parent(*_forking)
+
+
+def start_spawned_child(parent: int, from_main_thread: bool) -> None:
+    """In a spawned child of ``parent``, first thing: end with it, and make what the child starts end with the
+    child (a fresh interpreter inherits nothing of its parent's hooks)."""
+    _ends_with_parent(parent, from_main_thread)
+    end_children_with_this_process()
 
 
 def _spawned_child_prologue(parent: int, from_main_thread: bool) -> str:
-    """Python run first by a spawned child (lines before its ``-c`` program), before it unpickles anything: what
-    :func:`die_with_parent` or :func:`watch_parent` do, with the standard library only (the child has not yet got
-    its parent's ``sys.path``)."""
-    if from_main_thread:
-        return _SPAWNED_DIES_WITH_PARENT.format(option=PR_SET_PDEATHSIG, signum=int(signal.SIGKILL), parent=parent)
-    return _SPAWNED_WATCHES_PARENT.format(parent=parent, interval=WATCH_SECONDS)
+    """Python run first by a spawned child (lines before its ``-c`` program), before it unpickles anything: this
+    file loaded by its path (the standard library only: the child has not yet got its parent's ``sys.path``, and the
+    package's own ``__init__`` would import torch) and :func:`start_spawned_child` called."""
+    return (f"import importlib.util as _util\n"
+            f"_spec = _util.spec_from_file_location('_child_processes', {os.path.abspath(__file__)!r})\n"
+            f"_lifetime = _util.module_from_spec(_spec)\n"
+            f"_spec.loader.exec_module(_lifetime)\n"
+            f"_lifetime.start_spawned_child({parent}, {from_main_thread})\n")
 
 
 def _with_prologue(get_command_line):

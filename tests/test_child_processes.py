@@ -24,16 +24,24 @@ CHILDREN = '''
 import multiprocessing, os, signal, sys, threading, time
 sys.path.insert(0, {repo!r})
 from ds_pseudo_real.child_processes import end_children_with_this_process
-if {install}:
-    end_children_with_this_process()
 
 def sleep():
     time.sleep(600)
 
-if __name__ == "__main__":
+def start_grandchildren():  # as Megatron's persistent async worker forks its file writers
+    if os.fork() == 0:
+        sleep()
+    multiprocessing.get_context("spawn").Process(target=sleep).start()
+    open({pids!r} + ".grandchildren", "w").close()
+    sleep()
+
+if __name__ == "__main__":  # a spawned child imports this file again, without running this part
+    if {install}:
+        end_children_with_this_process()
     spawn, fork = multiprocessing.get_context("spawn"), multiprocessing.get_context("fork")
     manager = spawn.Manager()  # as Megatron's write results queue
-    started = [manager._process, fork.Process(target=sleep), spawn.Process(target=sleep)]
+    started = [manager._process, fork.Process(target=sleep), spawn.Process(target=sleep),
+               spawn.Process(target=start_grandchildren)]
     for process in started[1:]:
         process.start()
 
@@ -48,6 +56,8 @@ if __name__ == "__main__":
     pid = os.fork()
     if pid == 0:
         sleep()
+    while not os.path.exists({pids!r} + ".grandchildren"):
+        time.sleep(0.1)
     time.sleep(1.0)  # the children run past their start, the thread that started two of them is gone
     with open({pids!r}, "w") as out:
         out.write(" ".join(str(p.pid) for p in started) + f" {{pid}}")
@@ -57,8 +67,8 @@ if __name__ == "__main__":
 
 def start_children(tmp_path, install: bool):
     """A process that starts children every way the ranks' libraries do (a spawned Manager, forked and spawned
-    processes from the main thread and from another thread, a bare fork), then is killed: the children's pids and
-    the launch's marker."""
+    processes from the main thread and from another thread, a bare fork, a spawned child that forks and spawns
+    children of its own), then is killed: the children's pids and the launch's marker."""
     script, pids = tmp_path / f"children_{install}.py", tmp_path / f"pids_{install}"
     script.write_text(CHILDREN.format(repo=str(REPO), install=install, pids=str(pids)))
     env = dict(os.environ)
@@ -74,7 +84,7 @@ def start_children(tmp_path, install: bool):
 
 def test_every_child_of_a_killed_process_ends_with_it(tmp_path):
     pids, marker = start_children(tmp_path, install=True)
-    assert len(pids) == 6
+    assert len(pids) == 7
     assert nothing_left_of_launch(marker, timeout=5.0) == ""
 
 
