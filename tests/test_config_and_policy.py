@@ -6,6 +6,8 @@ from ds_pseudo_real.callbacks import TrainingControl, TrainingState
 from ds_pseudo_real.config import ConfigError, SwitchTrigger, parse_pseudo_to_real
 from ds_pseudo_real.transition import StageTransitionCallback, lr_factor, member_moments, plateaued, rewarmup_factor
 
+pytestmark = pytest.mark.no_ops  # builds no DeepSpeed engine: never waits for its C++ ops
+
 
 def parse(section):
     return parse_pseudo_to_real({"pseudo_to_real": section})
