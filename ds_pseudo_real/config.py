@@ -265,7 +265,8 @@ def closest_key(loc: Sequence[Any], known: Iterable[str], section: str) -> str:
     """``; did you mean 'section.path.key'?`` for the last key of ``loc`` among ``known`` (the keys at its place);
     "" when none is close."""
     close = difflib.get_close_matches(str(loc[-1]), sorted(known), n=1, cutoff=0.6)
-    return f"; did you mean '{'.'.join([section] + [str(p) for p in loc[:-1]] + [close[0]])}'?" if close else ""
+    dotted = ".".join([section] * bool(section) + [str(p) for p in loc[:-1]] + close[:1])
+    return f"; did you mean '{dotted}'?" if close else ""
 
 
 def validate_section(model: type, section: str, raw: Any) -> Any:

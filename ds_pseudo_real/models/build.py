@@ -192,6 +192,18 @@ def build_model(spec: ModelSpec, seed: int = 0) -> nn.Module:
     return model
 
 
+def parameter_total(spec: ModelSpec) -> int:
+    """The model's parameter count over all ranks, without allocating it: M6 from its architecture, the others
+    built on the meta device (for the main job's check of a model against its data, before any rank builds it)."""
+    if spec.kind == "m6":
+        from ..moe.architecture import total_parameters
+
+        return total_parameters(spec.options["arch"])
+    with torch.device("meta"):
+        model = build_model(spec)
+    return sum(p.numel() for p in model.parameters())
+
+
 def parameter_groups(spec: ModelSpec) -> Optional[Callable[[nn.Module], List[Dict]]]:
     """The ``model_parameters`` callable ``ds_pseudo_real.initialize`` needs for this model (experts apart for M6)."""
     if spec.kind == "m6":
