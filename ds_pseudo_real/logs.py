@@ -107,13 +107,26 @@ job_logger = _configured(LOGGER_NAME + ".job", "")
 
 def quiet_libraries() -> None:
     """Each repeated warning once per process: DeepSpeed's logger (its INFO lines from rank 0 only, as its own
-    ``log_dist`` does for most of them) and Python's ``warnings``, whose default shows a message once per line of
-    code that raises it (megatron.core raises the same one from four modules). The ``once`` filter goes last, so
-    that ``-W``, ``PYTHONWARNINGS`` and a script's own filters still win. Idempotent."""
+    ``log_dist`` does for most of them), and Python's ``warnings`` by their text (the default shows a message once
+    per line of code that raises it, and megatron.core raises the same one from three modules; the ``once`` filter
+    would not help, as CPython keeps its record per module). ``-W``, ``PYTHONWARNINGS`` and a script's own filters
+    still decide what is shown at all. Idempotent."""
     deepspeed_logger = logging.getLogger(DEEPSPEED_LOGGER)
     if not any(isinstance(f, Once) for f in deepspeed_logger.filters):
         deepspeed_logger.addFilter(Once())
         deepspeed_logger.addFilter(RankFilter())
-    if not any(action == "once" and category is Warning and message is None and module is None
-               for action, message, category, module, _ in warnings.filters):
-        warnings.filterwarnings("once", category=Warning, append=True)
+    if not getattr(warnings.showwarning, "shows_each_text_once", False):
+        warnings.showwarning = _each_text_once(warnings.showwarning)
+
+
+def _each_text_once(show):
+    """``warnings.showwarning`` (the hook Python documents for replacing) that passes each (text, category) on once."""
+    shown = set()
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if (str(message), category) not in shown:
+            shown.add((str(message), category))
+            show(message, category, filename, lineno, file, line)
+
+    showwarning.shows_each_text_once = True
+    return showwarning

@@ -31,7 +31,7 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._warned = self._line_cut = False
+        self._warned = self._line_cut = self._failed = False
         if self.path.is_file() and self.path.stat().st_size:
             lines = _lines(self.path)
             records = [_parse(line) for line in lines]
@@ -57,16 +57,21 @@ class MetricsLog:
     def write(self, record: Dict) -> None:
         """Append ``record``, whole or not at all: a write that fails (a full disk) is cut back to where the file
         ended, and is a warning, the first time, as a failed save is: the record is lost, training goes on, and
-        later records are written once there is room."""
+        later records are written once there is room (while the file system has no free block left, they are
+        lost without a try: a shorter one could still fit at the end of the file's last block, out of order)."""
+        line = json.dumps(record) + "\n"
+        if self._failed and not _has_room(self.path.parent, len(line)):
+            return
         size = self.path.stat().st_size if self.path.is_file() else 0
         try:
             if self._line_cut:
                 self._terminate_partial_line()
                 size = self.path.stat().st_size
             with open(self.path, "a") as handle:
-                handle.write(json.dumps(record) + "\n")
-            self._line_cut = False
+                handle.write(line)
+            self._line_cut = self._failed = False
         except OSError as error:
+            self._failed = True
             try:
                 os.truncate(self.path, size)  # no torn record: the part of the line that fitted goes
             except OSError:
@@ -75,6 +80,14 @@ class MetricsLog:
                 self._warned = True
                 warn(f"could not write {self.path}: {error}; training goes on without these records (later ones "
                      f"are written once there is room; this warning is not repeated)")
+
+
+def _has_room(folder: Path, size: int) -> bool:
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return True
+    return stats.f_bavail * stats.f_frsize >= size
 
 
 def _lines(path: Path) -> List[str]:
