@@ -36,7 +36,7 @@ import torch
 
 from ds_pseudo_real.checkpoint import CheckpointError, claim
 from ds_pseudo_real.config import OptimizerStatePolicy
-from ds_pseudo_real.logs import RankFilter, logger, quiet_libraries
+from ds_pseudo_real.logs import logger, quiet_libraries
 from megatron_patches import stage_copies
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -552,28 +552,16 @@ def uninstall() -> None:
         setattr(owner, name, original)
 
 
-def rank_0_logs_info() -> None:
-    """Megatron-LM logs megatron.core's INFO lines through the root logger's handler on every rank (its
-    ``logging.basicConfig`` at the import of ``megatron.training.training``): the other ranks keep its warnings only,
-    as the plugin's own lines (``DS_PSEUDO_REAL_LOG_ALL_RANKS=1`` shows every rank's)."""
-    import logging
-
-    import megatron.training.training  # noqa: F401 - its import configures the root logger
-
-    for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, RankFilter) for f in handler.filters):
-            handler.addFilter(RankFilter())
-
-
 def run_script(script: str, args: List[str]) -> None:
     """Run SCRIPT as ``__main__`` with ARGS as its command line, the drop-in installed for the run (and removed
     after it). The process group and Megatron-LM's global state are left as the script leaves them."""
     from megatron_patches import cpu_compat
 
-    quiet_libraries()  # each repeated warning once, from the imports that warn on
+    # Each repeated warning once from here on. Megatron-LM's own lines are left as it prints them: rank 0's, and
+    # the last rank's (its iteration lines and timers); the drop-in's from rank 0.
+    quiet_libraries()
     cpu_compat.install_training()  # a no-op when CUDA is available
     install()
-    rank_0_logs_info()
     sys.argv = [script, *args]
     folder = os.path.dirname(os.path.abspath(script))
     if folder not in sys.path:
