@@ -105,6 +105,15 @@ def test_a_large_model_on_the_demo_corpus_needs_a_flag(tmp_path):
     assert read_job("--check", job_config(tmp_path)).spec.kind == "gpt"  # the demo's own model is not large
 
 
+@pytest.mark.parametrize("shape", [{}, {"n_layer": 3, "d_model": 32, "n_head": 2, "mlp_ratio": 2, "bias": False,
+                                     "vocab_size": 300, "seq_len": 17}], ids=["default", "other"])
+def test_the_gpts_parameter_count_without_building_it_is_the_built_models(shape):
+    from ds_pseudo_real.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(**shape)
+    assert config.parameter_count() == sum(p.numel() for p in GPT(config).parameters())
+
+
 def test_slurm_submit_errors_exit_2_like_every_other(tmp_path, monkeypatch, capsys):
     from launch import slurm
 
