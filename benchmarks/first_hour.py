@@ -139,7 +139,7 @@ def first_run(repo: Path, steps: Optional[int], launcher: str) -> Dict[str, obje
             "exit_status": status, "wall_s": round(wall, 1), "output_lines": len(lines),
             "longest_silence_s": round(longest[0], 1), "line_after_longest_silence": longest[1][:200],
             "ops_built": built, "load_before": load_before, "load_during": load.summary(),
-            "last_lines": lines[-4:]}
+            "last_lines": lines[-10:]}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
