@@ -82,15 +82,19 @@ def test_check_refuses_what_building_the_engine_refuses(tmp_path):
 
 
 def test_a_config_error_the_job_finds_writes_nothing(tmp_path):
-    out = tmp_path / "run"
+    """Refused after the process group starts (every rank reads the config), before the run lock is taken; and the
+    start builds no C++ op (DeepSpeed's shared-memory all-reduce, for inference only, is left out: an empty
+    extensions folder stays empty)."""
+    out, ops = tmp_path / "run", tmp_path / "torch_extensions"
     config = job_config(tmp_path, pseudo_to_real={"layers": "blocks", "switch": {"at_step": 2}})
     proc = run("launch/train.py", "--deepspeed_config", config, "--output-dir", str(out),
-               env={"MASTER_PORT": str(free_port())})
+               env={"MASTER_PORT": str(free_port()), "TORCH_EXTENSIONS_DIR": str(ops)})
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
         "error: pseudo_to_real.layers: got 'blocks'; the main job's gpt model has its layer list at 'layers': give "
         "that, or leave the key out"]
     assert not out.exists()  # no run lock, no data cache
+    assert "rank 0/1 started" in proc.stdout and not any(ops.glob("*/*.so"))  # no op built on the way
 
 
 def test_a_large_model_on_the_demo_corpus_needs_a_flag(tmp_path):

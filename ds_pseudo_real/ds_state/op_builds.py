@@ -13,6 +13,7 @@ exists).
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import threading
 import time
@@ -211,8 +212,8 @@ def skip_inference_all_reduce_op() -> None:
     """``deepspeed.init_distributed`` on the CPU builds (the first time: tens of seconds, minutes on a busy machine)
     and loads a shared-memory op that only DeepSpeed's inference all-reduce uses; training never calls it. For a
     process that only trains (the main job): its backend is made without it. Idempotent."""
-    import deepspeed.comm.torch as torch_backend
-
+    # by its name: ``import deepspeed.comm.torch as ...`` binds the attribute deepspeed.comm.torch, which is torch
+    torch_backend = importlib.import_module("deepspeed.comm.torch")
     if _written_for(torch_backend, "build_shm_op") and \
             not getattr(torch_backend.build_shm_op, "ds_pseudo_real_patch", False):
         def build_shm_op():
