@@ -81,6 +81,23 @@ def test_check_refuses_what_building_the_engine_refuses(tmp_path):
         read_job("--check", job_config(tmp_path, pseudo_to_real={"layers": "blocks", "switch": {"at_step": 2}}))
 
 
+def test_deepspeeds_own_sections_name_the_key_where_it_is_and_the_closest_one():
+    from ds_pseudo_real.run_config import check_deepspeed_sections
+
+    for config, expected in [
+        ({"zero_optimization": {"stgae": 1}}, "  stgae: Extra inputs are not permitted (got 1), at zero_optimization.stgae; "
+                                              "did you mean 'zero_optimization.stage'?"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"devce": "cpu"}}},
+         "at zero_optimization.offload_param.devce; did you mean 'zero_optimization.offload_param.device'?"),
+        ({"bf16": {"enabeld": True}}, "at bf16.enabeld; did you mean 'bf16.enabled'?"),
+        ({"tensorboard": {"enabeld": True}}, "tensorboard.enabeld: Extra inputs are not permitted (got True); did you "
+                                             "mean 'tensorboard.enabled'?"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            check_deepspeed_sections(config, 2, 1)
+        assert expected in str(error.value), str(error.value)
+
+
 def test_a_config_error_the_job_finds_writes_nothing(tmp_path):
     """Refused after the process group starts (every rank reads the config), before the run lock is taken; and the
     start builds no C++ op (DeepSpeed's shared-memory all-reduce, for inference only, is left out: an empty
@@ -146,6 +163,53 @@ def test_a_port_another_job_holds_is_one_line_naming_it_and_the_flag(tmp_path):
     assert len(errors) == 1 and errors[0].startswith(f"error: port {port} on 127.0.0.1 (MASTER_PORT) is in use by "
                                                      f"another process"), errors
     assert "deepspeed --master_port" in errors[0] and "torchrun --master_port" in errors[0]
+
+
+def test_a_pure_test_module_never_waits_for_deepspeeds_ops(tmp_path):
+    """A module that builds no engine (marked ``no_ops``) runs in a fresh extensions folder without building any of
+    DeepSpeed's C++ ops (on a fresh venv: the three ops took 1,361 s before the first test of such a module ran)."""
+    ops = tmp_path / "torch_extensions"
+    proc = run("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ports.py",
+               env={"TORCH_EXTENSIONS_DIR": str(ops)})
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert not any(ops.glob("*/*.so")) and not any(ops.glob("*/lock"))
+
+
+def test_an_interval_save_on_a_full_disk_is_a_warning_naming_the_last_good_checkpoint(tmp_path):
+    """The checkpoints on a file system with room for one: the save at step 4 is published, those at steps 8 and 12
+    fail (a warning each, naming step 4's checkpoint as the last good one) and training goes on; the final save fails
+    too, which ends the job with one error and exit status 2."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    out, disk = tmp_path / "run", tmp_path / "disk"
+    out.mkdir()
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small file system is needed to fill the disk for real; mount failed: {mounted.stderr.strip()}")
+    try:
+        (out / "checkpoints").symlink_to(disk)
+        config = json.loads((REPO / "configs" / "tiny_cpu.json").read_text())
+        config["train_micro_batch_size_per_gpu"] = 8
+        config["scheduler"]["params"].update(total_num_steps=16, warmup_num_steps=4)
+        config["pseudo_to_real"]["switch"] = {"at_step": 6}
+        (tmp_path / "job.json").write_text(json.dumps(config))
+        proc = run("launch/train.py", "--deepspeed_config", str(tmp_path / "job.json"), "--output-dir", str(out),
+                   "--n-layer", "4", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes",
+                   str(1 << 20), "--eval-interval", "8", "--eval-batches", "2", "--save-interval", "4",
+                   env={"MASTER_PORT": str(free_port())}, timeout=600)
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last_good = f"the last good checkpoint is {out}/checkpoints/global_step4 (step 4)"
+    warnings_ = [line for line in proc.stderr.splitlines() if "WARNING" in line]
+    assert [w.split(" (rank 0)")[0] for w in warnings_] == [
+        f"[ds_pseudo_real] WARNING: could not save checkpoint {out}/checkpoints/global_step{step}" for step in (8, 12)]
+    assert all("No space left on device" in w and w.endswith(last_good) for w in warnings_), warnings_
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].endswith(last_good) and "global_step16" in errors[0]
+    assert "step 16/16" in proc.stdout and "Traceback" not in proc.stderr
 
 
 # ---- the closing summary ----------------------------------------------------------------------------------------
