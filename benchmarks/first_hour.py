@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 COMMANDS = [
     ("ds-pseudo-real --help", ["-m", "ds_pseudo_real.cli", "--help"]),
     ("python launch/train.py --help", ["launch/train.py", "--help"]),
-    ("python -m launch.train --check configs/tiny_cpu.json", ["-m", "launch.train", "--check", "configs/tiny_cpu.json"]),
+    ("python -m launch.train --check configs/tiny_cpu.json",
+     ["-m", "launch.train", "--check", "configs/tiny_cpu.json"]),
     ("ds-pseudo-real preprocess --help", ["-m", "ds_pseudo_real.cli", "preprocess", "--help"]),
     ("ds-pseudo-real plan --config configs/offload_m6_10t.json --device-memory 32GB --world-size 512",
      ["-m", "ds_pseudo_real.cli", "plan", "--config", "configs/offload_m6_10t.json", "--device-memory", "32GB",

@@ -26,7 +26,6 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import deepspeed
 import torch
 import torch.distributed as dist
-from pydantic import ValidationError
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 import ds_pseudo_real
@@ -290,10 +289,10 @@ def read_job(args: argparse.Namespace, world: int) -> Job:
     if data.type == "byte_corpus" and not args.allow_demo_corpus:
         total = parameter_total(spec)
         if total > DEMO_CORPUS_MAX_PARAMETERS:
-            raise ConfigError(f"data: the config has no data section, so the job would train this {spec.kind} model "
-                              f"of {total:.3g} parameters on the embedded byte corpus, a demo of a few MiB of text; "
-                              f"give your dataset in a \"data\" section (docs/data.md), or --allow-demo-corpus to "
-                              f"train on the demo corpus anyway")
+            raise ConfigError(f"data: the job would train this {spec.kind} model of {total:.3g} parameters on the "
+                              f"embedded byte corpus (the data without a \"data\" section), a demo of a few MiB of "
+                              f"text; give your dataset in a \"data\" section (docs/data.md), or --allow-demo-corpus "
+                              f"to train on the demo corpus anyway")
     micro, gas = batch_shape(config)
     return Job(config, args.steps or default_steps(config.deepspeed), vocab, eod, spec, micro, gas)
 

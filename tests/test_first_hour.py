@@ -85,8 +85,9 @@ def test_deepspeeds_own_sections_name_the_key_where_it_is_and_the_closest_one():
     from ds_pseudo_real.run_config import check_deepspeed_sections
 
     for config, expected in [
-        ({"zero_optimization": {"stgae": 1}}, "  stgae: Extra inputs are not permitted (got 1), at zero_optimization.stgae; "
-                                              "did you mean 'zero_optimization.stage'?"),
+        ({"zero_optimization": {"stgae": 1}},
+         "  stgae: Extra inputs are not permitted (got 1), at zero_optimization.stgae; did you mean "
+         "'zero_optimization.stage'?"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"devce": "cpu"}}},
          "at zero_optimization.offload_param.devce; did you mean 'zero_optimization.offload_param.device'?"),
         ({"bf16": {"enabeld": True}}, "at bf16.enabeld; did you mean 'bf16.enabled'?"),

@@ -172,7 +172,7 @@ def _said_out_loud(jit_load: Callable) -> Callable:
         if is_built(folder, self.name):
             return jit_load(self, verbose)
         logger.info(f"building DeepSpeed's C++ op {self.name} into {folder}: once (later runs load it from there; "
-                    f"TORCH_EXTENSIONS_DIR picks the folder), about a minute on 2 idle cores, several when they are busy")
+                    f"TORCH_EXTENSIONS_DIR picks the folder), a minute or more on 2 idle cores, several when busy")
         start = time.monotonic()
         with Heartbeat(lambda s: f"still building DeepSpeed's op {self.name} ({s:.0f} s so far)"):
             module = jit_load(self, verbose)
