@@ -32,18 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import RESULTS, machine_description  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-# (name, arguments after ``python``), run from the repository's root
+# (name, arguments after ``python``), run from the repository's root; {scratch}: a folder with docs.jsonl
 COMMANDS = [
     ("ds-pseudo-real --help", ["-m", "ds_pseudo_real.cli", "--help"]),
     ("python launch/train.py --help", ["launch/train.py", "--help"]),
     ("python -m launch.train --check configs/tiny_cpu.json",
      ["-m", "launch.train", "--check", "configs/tiny_cpu.json"]),
     ("ds-pseudo-real preprocess --help", ["-m", "ds_pseudo_real.cli", "preprocess", "--help"]),
+    ("ds-pseudo-real preprocess (100 documents, bytes)", ["-m", "ds_pseudo_real.cli", "preprocess", "--input",
+                                                          "{scratch}/docs.jsonl", "--output-prefix", "{scratch}/docs"]),
     ("ds-pseudo-real plan --config configs/offload_m6_10t.json --device-memory 32GB --world-size 512",
      ["-m", "ds_pseudo_real.cli", "plan", "--config", "configs/offload_m6_10t.json", "--device-memory", "32GB",
       "--world-size", "512"]),
 ]
-HEAVY = ("torch", "deepspeed", "megatron", "transformers", "matplotlib", "pydantic", "numpy")
+HEAVY = ("torch", "deepspeed", "megatron.core", "transformers", "matplotlib", "pydantic", "numpy")
 MAIN_JOB = ["launch/train.py", "--deepspeed_config", "configs/tiny_cpu.json"]
 LOAD_SAMPLE_S = 5.0
 
@@ -156,12 +158,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     repo = args.repo.resolve()
     result: Dict[str, object] = {"machine": machine_description(), "repo": str(repo),
                                  "load_before": os.getloadavg()[0], "commands": {}}
-    for name, command in COMMANDS:
-        figures = measure_command(repo, command, args.rounds)
-        result["commands"][name] = figures
-        heavy = ", ".join(f"{k} {v:.2f}" for k, v in figures["heavy_s"].items())
-        print(f"{name}: {figures['wall_s_median']:.2f} s (exit {figures['exit_status']}); imports "
-              f"{figures['import_s']:.2f} s ({heavy}); megatron imported: {figures['megatron_imported']}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="first_hour_commands_") as scratch:
+        Path(scratch, "docs.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 50}) + "\n"
+                                                       for i in range(100)))
+        for name, command in COMMANDS:
+            figures = measure_command(repo, [arg.format(scratch=scratch) for arg in command], args.rounds)
+            result["commands"][name] = figures
+            heavy = ", ".join(f"{k} {v:.2f}" for k, v in figures["heavy_s"].items())
+            print(f"{name}: {figures['wall_s_median']:.2f} s (exit {figures['exit_status']}); imports "
+                  f"{figures['import_s']:.2f} s ({heavy}); megatron imported: {figures['megatron_imported']}",
+                  flush=True)
     result["load_after_commands"] = os.getloadavg()[0]
     if not args.imports_only:
         run = first_run(repo, args.steps, args.launcher)
