@@ -133,9 +133,13 @@ def wait_for_build_lock(name: str, folder: str, poll_s: float = 1.0) -> None:
                 name, lock, f"no process on this host holds and nothing in its folder changed for "
                             f"{SHARED_STALE_AFTER_S // 60} minutes (a shared file system: a build on another host "
                             f"would have)"))
-        news = ("held by " + ", ".join(map(_describe, holders))) if holders else (
-            "held by no process on this host: a build on another host sharing this folder? If none runs anywhere, "
-            f"delete {lock}")
+        if holders:
+            news = "held by " + ", ".join(map(_describe, holders))
+        elif holders is None:
+            news = f"its holder cannot be told (processes this user may not inspect); if no build runs, delete {lock}"
+        else:
+            news = (f"held by no process on this host: a build on another host sharing this folder? If none runs "
+                    f"anywhere, delete {lock}")
         if news != said or time.monotonic() - last_said > HEARTBEAT_S:
             logger.info(f"waiting for the build of DeepSpeed's op {name} in {folder} ({news})")
             said, last_said = news, time.monotonic()
