@@ -8,9 +8,9 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -116,14 +116,15 @@ def test_a_config_error_the_job_finds_writes_nothing(tmp_path):
 
 
 def test_a_large_model_on_the_demo_corpus_needs_a_flag(tmp_path):
-    m6_10t = json.loads((REPO / "configs" / "m6_10t.json").read_text())
-    assert m6_10t["data"]["prefix"]  # the example names a dataset
-    demo = tmp_path / "demo.json"
-    demo.write_text(json.dumps({k: v for k, v in m6_10t.items() if k != "data"}))
+    demo = str(REPO / "configs" / "m6_10t.json")  # the model, without a data section
     with pytest.raises(ConfigError, match=r"would train this m6 model of 1.01e\+13 parameters on the embedded byte "
                                           r"corpus.*--allow-demo-corpus"):
-        read_job("--check", str(demo), world=512)
-    assert read_job("--check", str(demo), "--allow-demo-corpus", world=512).spec.num_layers == 48
+        read_job("--check", demo, world=512)
+    assert read_job("--check", demo, "--allow-demo-corpus", world=512).spec.num_layers == 48
+    data = tmp_path / "m6_10t_data.json"  # the README's example: the model and a dataset
+    data.write_text(json.dumps({**json.loads(Path(demo).read_text()), "data": {"prefix": str(tmp_path / "corpus")}}))
+    with pytest.raises(ConfigError, match=rf"data: {tmp_path}/corpus.bin and {tmp_path}/corpus.idx missing"):
+        read_job("--check", str(data), world=512)
     assert read_job("--check", job_config(tmp_path)).spec.kind == "gpt"  # the demo's own model is not large
 
 
@@ -240,8 +241,8 @@ def test_the_closing_summary_names_stages_losses_time_and_where_everything_is(tm
 # ---- logs: rank 0 at INFO, the others at WARNING, library warnings once -------------------------------------------
 def test_rank_0_logs_info_the_others_warnings_unless_all_ranks_are_asked(monkeypatch, capsys):
     monkeypatch.delenv(logs.ALL_RANKS_ENV, raising=False)
-    for rank in ("0", "1"):
-        monkeypatch.setenv("RANK", rank)
+    for rank in (0, 1):
+        monkeypatch.setattr(logs, "process_rank", lambda rank=rank: rank)
         logs.logger.info("the delink took 1 s")
         logs.logger.warning("a save failed")
         logs.job_logger.info("step 10/20")
@@ -253,7 +254,7 @@ def test_rank_0_logs_info_the_others_warnings_unless_all_ranks_are_asked(monkeyp
     assert capsys.readouterr().out == "[ds_pseudo_real] rank 1: the delink took 1 s\n"
 
 
-def test_a_library_warning_repeated_is_shown_once(monkeypatch):
+def test_a_library_warning_repeated_is_shown_once():
     deepspeed_logger = logging.getLogger(logs.DEEPSPEED_LOGGER)
     seen = []
 
@@ -263,20 +264,19 @@ def test_a_library_warning_repeated_is_shown_once(monkeypatch):
 
     keep = Keep()
     deepspeed_logger.addHandler(keep)
-    monkeypatch.setenv("RANK", "1")
+    once = f"Attempting to get learning rate from scheduler before it has started ({os.getpid()}, {time.time()})"
     try:
         with warnings.catch_warnings(record=True) as shown:
             warnings.resetwarnings()
             logs.quiet_libraries()
             for _ in range(3):
-                deepspeed_logger.warning("Attempting to get learning rate from scheduler before it has started")
-            deepspeed_logger.info("rank 1's engine is built")
-            warnings.warn("Transformer Engine and Apex are not installed")  # raised from two lines, as megatron does
-            warnings.warn("Transformer Engine and Apex are not installed")
+                deepspeed_logger.warning(once)
+            warnings.warn(once)  # raised from two lines, as megatron.core does
+            warnings.warn(once)
     finally:
         deepspeed_logger.removeHandler(keep)
-    assert seen == ["Attempting to get learning rate from scheduler before it has started"]
-    assert [str(w.message) for w in shown] == ["Transformer Engine and Apex are not installed"]
+    assert seen == [once]
+    assert [str(w.message) for w in shown] == [once]
 
 
 # ---- the run lock, a build lock, a port ---------------------------------------------------------------------------
