@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Un
 
 from .callbacks import TrainingCallback, TrainingControl, TrainingState
 from .config import ConfigError, PseudoToRealConfig
-from .sharing import apply_sharing, delink_layers, parameter_count
 
 if TYPE_CHECKING:
     from .run_config import RunConfig
+    from .sharing import apply_sharing, delink_layers, parameter_count
 
 __version__ = "0.1.0"
 
@@ -42,8 +42,13 @@ def initialize(
     (the launcher's ``--deepspeed_config``).
     """
     from .controller import PseudoToRealController
+    from .ds_state import announce_op_builds
+    from .logs import quiet_libraries
     from .pipeline import model_parallel_unit
     from .run_config import RunConfig
+
+    announce_op_builds()  # DeepSpeed's engine may build a C++ op: say what, and that it happens once
+    quiet_libraries()
 
     if config is None:
         config = getattr(args, "deepspeed_config", None)
@@ -69,12 +74,17 @@ def initialize(
 
 
 def __getattr__(name: str):
-    # RunConfig reads the granular_offload section, whose package imports DeepSpeed: imported when first asked for,
-    # so that ``import ds_pseudo_real`` stays light
+    # imported when first asked for, so that ``import ds_pseudo_real`` (every command's first import, ``--help``
+    # included) stays free of torch and DeepSpeed: RunConfig reads the granular_offload section, whose package
+    # imports DeepSpeed; the sharing functions are torch's
     if name == "RunConfig":
         from .run_config import RunConfig
 
         return RunConfig
+    if name in ("apply_sharing", "delink_layers", "parameter_count"):
+        from . import sharing
+
+        return getattr(sharing, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 import uuid
 import zlib
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import run_lock
+from .logs import logger
 
 SIDECAR = "pseudo_to_real.json"
 MANIFEST = "manifest.json"
@@ -57,11 +57,11 @@ def partial_tag(tag: str, writer: str = "") -> str:
 
 
 def log(message: str) -> None:
-    print(f"[ds_pseudo_real] {message}", flush=True)
+    logger.info(message)
 
 
 def warn(message: str) -> None:
-    print(f"[ds_pseudo_real] WARNING: {message}", file=sys.stderr, flush=True)
+    logger.warning(message)
 
 
 # ---- collectives (no-ops in a single process) ----------------------------------------------------------------

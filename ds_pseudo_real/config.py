@@ -6,8 +6,11 @@ that names the key, the value received and what is accepted. Must not read files
 """
 from __future__ import annotations
 
+import difflib
+import inspect
+import typing
 from enum import Enum
-from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Literal, Mapping, Optional, Sequence, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -21,9 +24,11 @@ class ConfigError(ValueError):
 
 
 class SectionModel(BaseModel):
-    """Base of every plugin section: unknown keys are refused, values are checked on assignment too."""
+    """Base of every plugin section: unknown keys are refused, values are checked on assignment too, and strictly,
+    as JSON gives them: ``true`` is no step count, ``"yes"`` no boolean and ``2.0`` no integer (an integer is a
+    number). A field of an Enum says ``strict=False``: JSON gives the enum's value, a string."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=True, strict=True)
 
     @classmethod
     def unknown_key_message(cls) -> str:
@@ -46,7 +51,7 @@ class PlateauTrigger(SectionModel):
     """Switch when the mean ``metric`` over the last ``window`` values improved by less than ``min_improvement``
     on the mean of the ``window`` values before them."""
 
-    metric: PlateauMetric = PlateauMetric.VALIDATION
+    metric: PlateauMetric = Field(PlateauMetric.VALIDATION, strict=False)
     window: int = Field(5, ge=1)
     min_improvement: float = Field(0.01, ge=0.0)
     min_steps: int = Field(0, ge=0)
@@ -92,7 +97,7 @@ class PseudoToRealConfig(SectionModel):
     groups: int = Field(1, ge=1)
     switch: SwitchTrigger = Field(default_factory=lambda: SwitchTrigger(at_step=1000))
     schedule: Optional[List[ScheduleStage]] = None
-    optimizer_state: OptimizerStatePolicy = OptimizerStatePolicy.COPY
+    optimizer_state: OptimizerStatePolicy = Field(OptimizerStatePolicy.COPY, strict=False)
     rewarmup_steps: int = Field(0, ge=0)
     delink_noise: float = Field(0.0, ge=0.0)
     pseudo_lr_scale: float = Field(1.0, gt=0.0)
@@ -209,9 +214,11 @@ def split_checkpoint_options(ds_config: Mapping[str, Any]) -> Tuple[Dict[str, An
     return rest, options
 
 
-def format_validation_error(section: str, error: ValidationError, unknown_key: str = "unknown key") -> str:
+def format_validation_error(section: str, error: ValidationError, unknown_key: str = "unknown key",
+                            model: Optional[type] = None) -> str:
     """One line per problem: ``section.key: message (got value)``; ``unknown_key`` names a key the section itself
-    does not have."""
+    does not have, and an unknown key at any depth gets the closest key of ``model`` (the section's pydantic model)
+    at that place, dotted: ``did you mean 'pseudo_to_real.switch.at_step'?``."""
     lines = []
     for item in error.errors():
         where = ".".join([section] + [str(p) for p in item["loc"]])
@@ -219,8 +226,47 @@ def format_validation_error(section: str, error: ValidationError, unknown_key: s
         if item["type"] == "extra_forbidden":
             message = unknown_key if len(item["loc"]) == 1 else "unknown key"
         value = item.get("input")
-        lines.append(f"{where}: {message} (got {value!r})")
+        line = f"{where}: {message} (got {value!r})"
+        if item["type"] == "extra_forbidden" and model is not None:
+            known = model_keys(model, item["loc"][:-1])
+            line += closest_key(item["loc"], known, section) or (
+                f"; accepted keys: {known}" if known and "accepted" not in message else "")
+        lines.append(line)
     return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def model_keys(model: type, path: Sequence[Any]) -> List[str]:
+    """The keys the pydantic model nested in ``model`` at ``path`` (keys and list indices of an error's location)
+    takes, aliases included; [] where the path leads to no model."""
+    for part in path:
+        if isinstance(part, int):  # an item of a list: the list's item model
+            continue
+        fields = getattr(model, "model_fields", {})
+        field = fields.get(part) or next((f for f in fields.values() if f.alias == part), None)
+        model = None if field is None else _model_in(field.annotation)
+        if model is None:
+            return []
+    fields = getattr(model, "model_fields", {})
+    return sorted(set(fields) | {f.alias for f in fields.values() if f.alias})
+
+
+def _model_in(annotation: Any) -> Optional[type]:
+    """The pydantic model an annotation holds (``Optional[M]``, ``List[M]``, ``Union[..., M]``), if any."""
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return annotation
+    for argument in typing.get_args(annotation):
+        found = _model_in(argument)
+        if found is not None:
+            return found
+    return None
+
+
+def closest_key(loc: Sequence[Any], known: Iterable[str], section: str) -> str:
+    """``; did you mean 'section.path.key'?`` for the last key of ``loc`` among ``known`` (the keys at its place);
+    "" when none is close."""
+    close = difflib.get_close_matches(str(loc[-1]), sorted(known), n=1, cutoff=0.6)
+    dotted = ".".join([section] * bool(section) + [str(p) for p in loc[:-1]] + close[:1])
+    return f"; did you mean '{dotted}'?" if close else ""
 
 
 def validate_section(model: type, section: str, raw: Any) -> Any:
@@ -232,7 +278,7 @@ def validate_section(model: type, section: str, raw: Any) -> Any:
     try:
         return model.model_validate(dict(raw))
     except ValidationError as error:
-        raise ConfigError(format_validation_error(section, error, model.unknown_key_message())) from None
+        raise ConfigError(format_validation_error(section, error, model.unknown_key_message(), model)) from None
 
 
 def optional_section(model: type, section: str, ds_config: Mapping[str, Any]) -> Any:

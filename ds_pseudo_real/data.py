@@ -18,6 +18,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from .config import ConfigError, SectionModel, validate_section
+from .logs import logger
 
 
 DEFAULT_MAX_BYTES = 8 << 20
@@ -219,7 +220,7 @@ def indexed_vocabulary(options: IndexedData) -> Tuple[int, Optional[int]]:
                               f"has {vocab} tokens")
         if len(found) < len(options.prefixes):
             bare = [p for p in options.prefixes if p not in {f[0] for f in found}]
-            print(f"[ds_pseudo_real] {bare}: no PREFIX.json; taking the vocabulary of {found[0][0]}", flush=True)
+            logger.info(f"{bare}: no PREFIX.json; taking the vocabulary of {found[0][0]}")
         return vocab, eod if options.eod is None else options.eod
     if options.vocab_size is None:
         raise ConfigError(f"data.vocab_size: {options.prefixes[0]}.json is missing (the dataset was not written by "

@@ -5,7 +5,8 @@ A port the kernel numbers itself (``bind`` to port 0) comes from its ephemeral r
 ``bind(0)`` from: gloo's pair listeners, the TCP store's clients. Between the pick and the listener's bind (the imports
 of torch and DeepSpeed: seconds, tens of them on a loaded host) another job's gloo can take it, and the rendezvous fails
 with EADDRINUSE. So the port is drawn at random below that range, where only ports asked for by number go, and
-checked free."""
+checked free. A port another job holds already is one error naming it and ``--master_port`` (:class:`PortInUse`)."""
+import os
 import random
 import socket
 
@@ -47,3 +48,20 @@ def rendezvous_port(host: str = "127.0.0.1", tries: int = 200) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+class PortInUse(RuntimeError):
+    """The rendezvous port is held by another process; the message names it and the flag that picks another."""
+
+
+def explain_port_in_use(error: BaseException) -> BaseException:
+    """``error`` from starting the process group, or, when it says the rendezvous port is taken (torch's
+    ``DistNetworkError`` with ``EADDRINUSE``: another job on this host listens there, typically a second job
+    started with the launchers' default port 29500), a :class:`PortInUse` naming the port and ``--master_port``."""
+    text = str(error)
+    if "EADDRINUSE" not in text and "address already in use" not in text.lower():
+        return error
+    port, host, free = os.environ.get("MASTER_PORT", "?"), os.environ.get("MASTER_ADDR", "this host"), rendezvous_port()
+    return PortInUse(f"port {port} on {host} (MASTER_PORT) is in use by another process, most likely another job's "
+                     f"rendezvous (the deepspeed launcher and torchrun both default to 29500): start this job with "
+                     f"another port, e.g. deepspeed --master_port {free} ... or torchrun --master_port {free} ...")

@@ -1,10 +1,12 @@
 """What rank 0 alone says: whether this process is rank 0 (or the only one) and the plugin's log lines from it.
 
-Owns: the rank-0 test and the log line's prefix. Must not touch models, engines or files.
+Owns: the rank-0 test. Must not touch models, engines or files; the lines go through ``logs`` (rank 0 at INFO).
 """
 from __future__ import annotations
 
 import torch.distributed as dist
+
+from .logs import logger
 
 
 def is_rank0() -> bool:
@@ -12,5 +14,5 @@ def is_rank0() -> bool:
 
 
 def log_rank0(message: str) -> None:
-    if is_rank0():
-        print(f"[ds_pseudo_real] {message}", flush=True)
+    """An INFO line of the plugin's logger: shown by rank 0 (by every rank with ``DS_PSEUDO_REAL_LOG_ALL_RANKS``)."""
+    logger.info(message)

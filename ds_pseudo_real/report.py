@@ -8,6 +8,7 @@ history, and drawing ``loss.png``. Knows nothing of engines.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 import shutil
@@ -30,21 +31,20 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._warned = self._line_cut = False
+        self._warned = self._line_cut = self._failed = False
         if self.path.is_file() and self.path.stat().st_size:
             lines = _lines(self.path)
             records = [_parse(line) for line in lines]
             try:
                 rewrite_keeping(self.path, lines, [i for i in _history(records)
                                                    if records[i].get("step", 0) <= resume_step])
-            except OSError as error:  # readers still drop what the resume event below supersedes
+            except OSError as error:  # not even in place: readers still drop what the resume event supersedes
                 warn(f"could not rewind {self.path} to step {resume_step}: {error}; its later records stay in it")
             self._line_cut = True  # a crash mid-write can have left the last line unfinished
             self.write({"event": RESUME, "step": resume_step})
 
     def _terminate_partial_line(self) -> None:
-        """A crash or a full disk mid-write can leave the last line unfinished; start the next record on a line of
-        its own."""
+        """A crash mid-write can leave the last line unfinished; start the next record on a line of its own."""
         if not self.path.is_file() or not self.path.stat().st_size:
             return
         with open(self.path, "rb") as handle:
@@ -55,21 +55,39 @@ class MetricsLog:
                 handle.write("\n")
 
     def write(self, record: Dict) -> None:
-        """Append ``record``. A write that fails (a full disk) is a warning, the first time, as a failed save is: the
-        record is lost, training goes on, and later records are written, each on a line of its own, once there is
-        room."""
+        """Append ``record``, whole or not at all: a write that fails (a full disk) is cut back to where the file
+        ended, and is a warning, the first time, as a failed save is: the record is lost, training goes on, and
+        later records are written once there is room (while the file system has no free block left, they are
+        lost without a try: a shorter one could still fit at the end of the file's last block, out of order)."""
+        line = json.dumps(record) + "\n"
+        if self._failed and not _has_room(self.path.parent, len(line)):
+            return
+        size = self.path.stat().st_size if self.path.is_file() else 0
         try:
             if self._line_cut:
                 self._terminate_partial_line()
+                size = self.path.stat().st_size
             with open(self.path, "a") as handle:
-                handle.write(json.dumps(record) + "\n")
-            self._line_cut = False
+                handle.write(line)
+            self._line_cut = self._failed = False
         except OSError as error:
-            self._line_cut = True
+            self._failed = True
+            try:
+                os.truncate(self.path, size)  # no torn record: the part of the line that fitted goes
+            except OSError:
+                self._line_cut = True
             if not self._warned:
                 self._warned = True
                 warn(f"could not write {self.path}: {error}; training goes on without these records (later ones "
                      f"are written once there is room; this warning is not repeated)")
+
+
+def _has_room(folder: Path, size: int) -> bool:
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return True
+    return stats.f_bavail * stats.f_frsize >= size
 
 
 def _lines(path: Path) -> List[str]:
@@ -101,22 +119,66 @@ def _history(records: List[Optional[Dict]]) -> List[int]:
 def rewrite_keeping(path: Path, lines: List[str], kept: List[int]) -> None:
     """Make ``path`` hold ``lines[i]`` for the indices ``kept`` (in order), atomically (a new file renamed over it);
     the other lines are appended to ``<path>.discarded`` first, so a crash in between loses none. Nothing changes
-    when every line is kept."""
+    when every line is kept. On a full disk, where neither the copy nor the lines kept aside fit, the file is
+    rewritten in place instead (it only shrinks, which needs no new block), and a warning says what was lost: a
+    rewind that cannot complete leaves no line twice and none cut."""
     keep = set(kept)
     dropped = [line for i, line in enumerate(lines) if i not in keep]
     if not dropped:
         return
-    with open(path.with_name(path.name + DISCARDED), "a") as backup:
-        backup.writelines(dropped)
-        backup.flush()
-        os.fsync(backup.fileno())
-    handle, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(handle, "w") as out:
-        out.writelines(lines[i] for i in sorted(keep))
-        out.flush()
-        os.fsync(out.fileno())
-    shutil.copymode(path, staged)
-    os.replace(staged, path)
+    aside = path.with_name(path.name + DISCARDED)
+    failure: Optional[OSError] = None
+    try:
+        _append_whole(aside, dropped)
+    except OSError as error:
+        failure = error
+    kept_aside = failure is None
+    if kept_aside:
+        handle, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(handle, "w") as out:
+                out.writelines(lines[i] for i in sorted(keep))
+                out.flush()
+                os.fsync(out.fileno())
+            shutil.copymode(path, staged)
+            os.replace(staged, path)
+            return
+        except OSError as error:
+            failure = error
+            with contextlib.suppress(OSError):
+                os.unlink(staged)
+    _shrink_in_place(path, lines, keep)
+    warn(f"could not rewind {path} through a copy ({failure}): rewound it in place; the {len(dropped)} lines it "
+         f"dropped are {f'kept in {aside}' if kept_aside else 'lost'}")
+
+
+def _append_whole(path: Path, lines: List[str]) -> None:
+    """Append ``lines`` to ``path``, all or none (cut back to its old end when a write fails), durably."""
+    size = path.stat().st_size if path.is_file() else 0
+    try:
+        with open(path, "a") as handle:
+            handle.writelines(lines)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.truncate(path, size)
+        raise
+
+
+def _shrink_in_place(path: Path, lines: List[str], keep: set) -> None:
+    """Rewrite ``path`` to ``lines[i]`` for ``i`` in ``keep`` without a new file: the kept lines after the first
+    dropped one move up over it, then the file is cut; it only shrinks, so a full disk does not stop it."""
+    first = min(i for i in range(len(lines)) if i not in keep)
+    offset = sum(len(line.encode()) for line in lines[:first])
+    tail = "".join(lines[i] for i in sorted(keep) if i > first).encode()
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, tail, offset)
+        os.ftruncate(fd, offset + len(tail))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def rewind_csv(path: Path, step: int) -> bool:

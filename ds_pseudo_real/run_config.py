@@ -7,17 +7,19 @@ typed parts it needs, never the JSON.
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch.distributed as dist
+from pydantic import ValidationError
 
 from .config import (
-    SECTION, CheckpointOptions, ConfigError, PseudoToRealConfig, optional_section, parse_pseudo_to_real,
-    split_checkpoint_options, validate_section,
+    SECTION, CheckpointOptions, ConfigError, PseudoToRealConfig, closest_key, model_keys, optional_section,
+    parse_pseudo_to_real, split_checkpoint_options, validate_section,
 )
 from .data import DataSection
 from .models.sections import MODEL_SECTIONS, GPTSection, ModelSection
@@ -71,6 +73,73 @@ def check_top_level_keys(ds_config: Mapping[str, Any]) -> None:
         lines.append(f"{key}: unknown top-level key, known to neither DeepSpeed nor ds_pseudo_real; {hint}")
     if lines:
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+
+
+def check_deepspeed_sections(ds_config: Mapping[str, Any], micro_batch: int, accumulation: int) -> None:
+    """DeepSpeed's own sections validated by its config class, as ``deepspeed.initialize`` will, before any rank
+    starts. That class takes the world size from the process group, which a check before the ranks start has not:
+    it is given the micro batch and accumulation steps resolved already, and derives train_batch_size from them. A
+    problem is a ConfigError with one line per problem, naming the key where it is in the file
+    (``zero_optimization.stgae``) and, for an unknown one, the closest key DeepSpeed takes there."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    resolved = {key: value for key, value in copy.deepcopy(dict(ds_config)).items() if key != "train_batch_size"}
+    try:
+        DeepSpeedConfig({**resolved, "train_micro_batch_size_per_gpu": micro_batch,
+                         "gradient_accumulation_steps": accumulation})
+    except ValidationError as error:  # a DeepSpeed section's model, e.g. DeepSpeedZeroConfig for zero_optimization
+        lines = [_deepspeed_problem(ds_config, error.title, e) for e in error.errors()]
+        raise ConfigError(f"invalid config: DeepSpeed's {error.title} refuses\n  " + "\n  ".join(lines)) from None
+    except (ValueError, AssertionError) as error:
+        raise ConfigError(f"invalid config: DeepSpeed refuses it: {error}") from None
+
+
+def _deepspeed_problem(ds_config: Mapping[str, Any], model_name: str, problem: Mapping[str, Any]) -> str:
+    """DeepSpeed's words for one problem (its model's location, message and value), then where the key is in the
+    file, and for an unknown key the closest one that model takes there."""
+    loc = [str(part) for part in problem["loc"]]
+    line = f"{'.'.join(loc)}: {problem['msg']} (got {problem.get('input')!r})"
+    sections = _sections_holding(ds_config, problem["loc"], problem.get("input"))
+    if len(sections) != 1:
+        return line
+    if sections[0]:  # a location inside a section (DeepSpeedMonitorConfig's start at the top level)
+        line += f", at {'.'.join([sections[0], *loc])}"
+    if problem["type"] == "extra_forbidden":
+        model = _deepspeed_model(model_name)
+        line += closest_key(problem["loc"], model_keys(model, problem["loc"][:-1]) if model else [], sections[0])
+    return line
+
+
+def _sections_holding(ds_config: Mapping[str, Any], loc: Sequence[Any], value: Any) -> List[str]:
+    """The top-level keys of ``ds_config`` under which ``loc`` leads to ``value`` ("" for the top level itself):
+    where in the file a problem DeepSpeed reports for one of its section models (whose location mostly starts
+    inside the section) is."""
+    found = []
+    for key, section in [("", ds_config), *ds_config.items()]:
+        for part in loc:
+            if isinstance(section, Mapping) and part in section:
+                section = section[part]
+            elif isinstance(section, list) and isinstance(part, int) and part < len(section):
+                section = section[part]
+            else:
+                break
+        else:
+            if section == value:
+                found.append(key)
+    return found
+
+
+def _deepspeed_model(name: str) -> Optional[type]:
+    """DeepSpeed's config model class called ``name`` (a subclass of its ``DeepSpeedConfigModel``), if loaded."""
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+    pending = [DeepSpeedConfigModel]
+    while pending:
+        model = pending.pop()
+        if model.__name__ == name:
+            return model
+        pending.extend(model.__subclasses__())
+    return None
 
 
 def data_parallel_size(mpu=None) -> int:

@@ -2,8 +2,9 @@
 until that process ends.
 
 Owns: taking the lock (``fcntl.flock``, exclusive, without waiting), the holder's record in the file (host, pid,
-start time, command) and reading it back for error messages and checks. Knows nothing of checkpoints,
-torch or torch.distributed: ``checkpoint.claim`` takes it on rank 0 and shares the outcome with every rank.
+start time, command) and reading it back for error messages, checks and the line naming a run it takes over from.
+Knows nothing of checkpoints, torch or torch.distributed: ``checkpoint.claim`` takes it on rank 0 and shares the
+outcome with every rank.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import socket
 import sys
 import time
 from typing import Any, Dict, Optional, Tuple
+
+from .logs import logger
 
 LOCK_FILE = "run.lock"
 _HELD: Dict[str, Tuple[int, Dict[str, Any]]] = {}  # by real path: (descriptor, the record written) of each lock held
@@ -101,8 +104,11 @@ def acquire(folder: str) -> None:
                     f"{folder} is in use by another run ({describe(holder)}), recorded in {path}; this file system "
                     f"keeps no locks ({no_locks.strerror}), so the record is the only guard: if that run is over, "
                     f"delete {path}")
-            print(f"[ds_pseudo_real] {path}: took over from the run of {describe(holder)}, whose process is gone "
-                  f"(this file system keeps no locks)", flush=True)
+            logger.info(f"{path}: took over from the run of {describe(holder)}, whose process is gone (this file "
+                        f"system keeps no locks)")
+        elif holder is not None:  # the lock was free, yet its record names a run that never gave it up
+            logger.info(f"{path}: took over from the run of {describe(holder)}, which ended without giving the lock "
+                        f"up (killed, or its host went down)")
         record = _record()
         _write(fd, record)
     except BaseException:

@@ -24,6 +24,7 @@ from .callbacks import PSEUDO, REAL, TrainingState
 from .carry import EngineProgress, carry_moments
 from .config import ConfigError, OptimizerStatePolicy, PseudoToRealConfig
 from .device import rank_device
+from .logs import logger
 from .rank0 import log_rank0
 from .sharing import (
     apply_sharing,
@@ -514,10 +515,7 @@ def log_transition(report: Dict[str, Any]) -> None:
         + f" (held at most {mib(report['gathered']['peak_bytes'])} with what the delink made of it)"
     )
     rank = dist.get_rank() if dist.is_initialized() else 0
-    for when in ("before", "after"):
+    for when in ("before", "after"):  # every rank's own figures; shown from the other ranks with all ranks' lines
         mem = report[f"memory_{when}"]
-        print(
-            f"[ds_pseudo_real] rank {rank} memory {'pseudo' if when == 'before' else 'real'}: "
-            + ", ".join(f"{k} {mib(v)}" for k, v in mem.items()),
-            flush=True,
-        )
+        logger.info(f"rank {rank} memory {'pseudo' if when == 'before' else 'real'}: "
+                    + ", ".join(f"{k} {mib(v)}" for k, v in mem.items()))

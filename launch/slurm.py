@@ -321,9 +321,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     path = write_script(spec)
     try:
         job_id = submit(path)
-    except RuntimeError as err:
-        print(f"launch.slurm: {err}", file=sys.stderr)
-        return 1
+    except RuntimeError as err:  # exit 2, as every error of the project's commands
+        print(f"error: {err} (the script is written: {path})", file=sys.stderr)
+        return 2
     print(f"submitted job {job_id}: script {path}, logs {spec.logs_dir}/ (sbatch-{job_id}.log, rank-N.log)")
     return 0
 

@@ -6,6 +6,9 @@ torchrun, srun, or ``ds-pseudo-real train``. Resumes from the newest checkpoint 
 verifies (or ``--resume-from``); on SIGUSR1/SIGTERM, or when its launcher is gone, it saves a checkpoint at the next
 step boundary and exits 0. Holds ``<output-dir>/checkpoints/run.lock`` while it runs: a second run there stops at once.
 ``python -m launch.train --check CONFIG --world-size N`` runs its start-up validation alone, before any rank starts.
+
+Rank 0 prints the job's lines (progress, what the delink did, the closing summary) and the plugin's, every rank its
+warnings and three lines of its own (started, saved on a signal, finished); ``--log-all-ranks`` shows every rank's.
 """
 from __future__ import annotations
 
@@ -23,26 +26,32 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import deepspeed
 import torch
 import torch.distributed as dist
-from pydantic import ValidationError
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 import ds_pseudo_real
+from ds_pseudo_real import logs
 from ds_pseudo_real.checkpoint import CheckpointError, claim
 from ds_pseudo_real.child_processes import end_children_with_this_process
 from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.data import BYTE_VOCAB, build_corpus, indexed_vocabulary
 from ds_pseudo_real.device import use_collective_timeout, use_rank_device
 from ds_pseudo_real.ds_state import MONITOR_SECTIONS, total_parameter_numel
-from ds_pseudo_real.models.build import ModelSpec, build_model, model_spec, parameter_groups
+from ds_pseudo_real.ds_state.op_builds import StaleBuildLock, announce_op_builds, skip_inference_all_reduce_op
+from ds_pseudo_real.models.build import ModelSpec, build_model, model_spec, parameter_groups, parameter_total
+from ds_pseudo_real.ports import PortInUse, explain_port_in_use
 from ds_pseudo_real.report import MetricsLog, plot_history, read_records
-from ds_pseudo_real.run_config import RunConfig
+from ds_pseudo_real.run_config import RunConfig, check_deepspeed_sections
 from launch.launcher_watch import watch_launcher
 
 DEFAULT_STEPS = 600
+# Parameters above which the embedded byte corpus (a demo: a few MiB of text) is refused without --allow-demo-corpus
+DEMO_CORPUS_MAX_PARAMETERS = 10**9
+say = logs.job_logger.info  # the job's own lines, from rank 0 (every rank with --log-all-ranks)
+warn = logs.logger.warning  # the plugin's warnings, from every rank
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                         help="set by the deepspeed launcher")
     deepspeed.add_config_arguments(parser)
@@ -72,7 +81,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "exit 0, or the error and exit 2")
     parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
                         help="with --check: the ranks the job will run on (default: $WORLD_SIZE, else 1)")
+    parser.add_argument("--allow-demo-corpus", action="store_true",
+                        help=f"train a model of more than {DEMO_CORPUS_MAX_PARAMETERS:.0e} parameters on the embedded "
+                             f"byte corpus (a demo of a few MiB of text), which is refused otherwise")
+    parser.add_argument("--log-all-ranks", action="store_true",
+                        help=f"every rank prints its lines, not only rank 0 (the same as {logs.ALL_RANKS_ENV}=1)")
     args = parser.parse_args(argv)
+    if args.log_all_ranks:
+        logs.log_all_ranks()
     if args.check:
         if args.deepspeed_config and args.deepspeed_config != args.check:
             parser.error(f"--check {args.check} and --deepspeed_config {args.deepspeed_config}: give the config once")
@@ -107,20 +123,9 @@ class StopOnSignal:
 def batch_shape(config: RunConfig) -> Tuple[int, int]:
     """The micro batch per rank and the gradient accumulation steps (``TrainingFacts``: from any two of
     train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps, by DeepSpeed 0.19.8's rule), and
-    DeepSpeed's own sections validated by its config class. That class takes the world size from the process group,
-    which ``--check`` has not: it is given the micro batch and accumulation steps resolved here, and derives
-    train_batch_size from them."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-
+    DeepSpeed's own sections validated by its config class (``run_config.check_deepspeed_sections``)."""
     micro, gas = config.training.micro_batch, config.training.gradient_accumulation_steps
-    resolved = {key: value for key, value in copy.deepcopy(config.deepspeed).items() if key != "train_batch_size"}
-    try:
-        DeepSpeedConfig({**resolved, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas})
-    except ValidationError as error:  # a DeepSpeed section's model, e.g. DeepSpeedZeroConfig for zero_optimization
-        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})" for e in error.errors()]
-        raise ConfigError(f"invalid config: DeepSpeed's {error.title} refuses\n  " + "\n  ".join(problems)) from None
-    except (ValueError, AssertionError) as error:
-        raise ConfigError(f"invalid config: DeepSpeed refuses it: {error}") from None
+    check_deepspeed_sections(config.deepspeed, micro, gas)
     return micro, gas
 
 
@@ -203,7 +208,7 @@ def warn_on_failed_save(action, rank: int) -> None:
         action()
     except CheckpointError as error:
         if rank == 0:
-            print(f"[ds_pseudo_real] WARNING: {error}", file=sys.stderr, flush=True)
+            warn(str(error))
 
 
 def save_before_stopping(engine, folder: str, step: int, signal_name: str, rank: int) -> None:
@@ -214,14 +219,13 @@ def save_before_stopping(engine, folder: str, step: int, signal_name: str, rank:
     start = time.perf_counter()
     in_flight = engine.checkpoint_in_flight
     if in_flight is not None:
-        if rank == 0:
-            print(f"[ds_pseudo_real] stopping on signal {signal_name} at step {step}: waiting for the checkpoint "
-                  f"being written in the background, {in_flight}", flush=True)
+        logs.logger.info(f"stopping on signal {signal_name} at step {step}: waiting for the checkpoint being written "
+                         f"in the background, {in_flight}")
         try:
             engine.wait_for_checkpoints()
         except CheckpointError as error:
             if rank == 0:
-                print(f"[ds_pseudo_real] WARNING: {error}", file=sys.stderr, flush=True)
+                warn(str(error))
             in_flight = None
     if in_flight is None or Path(in_flight).name != f"global_step{step}":
         engine.save_checkpoint(folder)
@@ -272,6 +276,24 @@ def read_job(args: argparse.Namespace, world: int) -> Job:
     spec = model_spec(config, flags, vocab_size=vocab, eod=eod)
     if ptr.enabled:
         ptr.stages(spec.num_layers)  # a progressive schedule's stages, checked before the model is built
+        if "layers" in ptr.model_fields_set and ptr.layers != spec.layers:
+            raise ConfigError(f"pseudo_to_real.layers: got {ptr.layers!r}; the main job's {spec.kind} model has its "
+                              f"layer list at {spec.layers!r}: give that, or leave the key out")
+    if config.granular_offload is not None:  # what building the engine refuses, refused before any rank builds
+        from ds_pseudo_real.ds_state import check_versions
+        from ds_pseudo_real.offload import adam_arguments
+        from ds_pseudo_real.offload.config import training_setup
+
+        check_versions("granular_offload")
+        adam_arguments(config.deepspeed)
+        training_setup(config.granular_offload, config.training, spec.num_layers)
+    if data.type == "byte_corpus" and not args.allow_demo_corpus:
+        total = parameter_total(spec)
+        if total > DEMO_CORPUS_MAX_PARAMETERS:
+            raise ConfigError(f"data: the job would train this {spec.kind} model of {total:.3g} parameters on the "
+                              f"embedded byte corpus (the data without a \"data\" section), a demo of a few MiB of "
+                              f"text; give your dataset in a \"data\" section (docs/data.md), or --allow-demo-corpus "
+                              f"to train on the demo corpus anyway")
     micro, gas = batch_shape(config)
     return Job(config, args.steps or default_steps(config.deepspeed), vocab, eod, spec, micro, gas)
 
@@ -283,13 +305,27 @@ def check(args: argparse.Namespace) -> int:
     return 0
 
 
+def start_distributed() -> None:
+    """``deepspeed.init_distributed``, saying what it builds (DeepSpeed's C++ ops: once, where they are cached)
+    without building the shared-memory op that only inference uses; a rendezvous port another job holds is one
+    error naming the port and the flag that changes it."""
+    announce_op_builds()
+    skip_inference_all_reduce_op()
+    try:
+        deepspeed.init_distributed()
+    except RuntimeError as error:  # torch's DistNetworkError, when the TCP store cannot listen on MASTER_PORT
+        raise explain_port_in_use(error) from None
+
+
 def train(args: argparse.Namespace) -> int:
+    began = time.perf_counter()
     stopper = StopOnSignal()  # first: a preemption during start-up must not kill the rank without a checkpoint
     end_children_with_this_process()  # whatever this rank starts (data workers, writers) ends with it
     single_process_defaults()
     use_rank_device()  # NCCL's communicator and every object collective use the current device
     use_collective_timeout()  # DEEPSPEED_TIMEOUT for DeepSpeed's own groups too, not only for the world group
-    deepspeed.init_distributed()
+    logs.quiet_libraries()
+    start_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"rank {rank}/{world} started on {os.uname().nodename}", flush=True)
     job = read_job(args, world)
@@ -297,21 +333,19 @@ def train(args: argparse.Namespace) -> int:
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     ckpt_dir = out / "checkpoints"
     claim(str(ckpt_dir))  # the configuration is valid: the folder is this run's until it ends (a second run stops here)
-    if rank == 0:
-        print(f"data: {config.data.describe()}", flush=True)
+    say(f"data: {config.data.describe()}")
     corpus = build_corpus(config.data, seq_len=spec.seq_len, seed=args.seed, train_samples=steps * gas * micro * world,
                           val_samples=args.eval_batches * micro * world, world_size=world,
                           cache_dir=out / "data_cache", vocab_size=job.vocab, eod=job.eod,
                           max_bytes=args.corpus_bytes)
-    if rank == 0 and hasattr(corpus, "describe"):
-        print(corpus.describe(), flush=True)
+    if hasattr(corpus, "describe"):
+        say(corpus.describe())
     ptr = config.pseudo_to_real
     if "layers" not in ptr.model_fields_set:  # where the model built from the spec has its layer list
         ptr = ptr.model_copy(update={"layers": spec.layers})
     ds_config, monitors = default_monitor_paths(config.deepspeed, out)
     config = replace(config, deepspeed=ds_config, pseudo_to_real=ptr)
-    if rank == 0:
-        print(f"model: {spec.describe()}; DeepSpeed monitors: {', '.join(monitors) or 'none'}", flush=True)
+    say(f"model: {spec.describe()}; DeepSpeed monitors: {', '.join(monitors) or 'none'}")
 
     model = build_model(spec, seed=args.seed)
     engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=config, model_parameters=parameter_groups(spec))
@@ -326,16 +360,17 @@ def train(args: argparse.Namespace) -> int:
         raise RuntimeError(f"the data were sized for micro batch {micro} x {gas} accumulation steps; DeepSpeed "
                            f"resolved {resolved[0]} x {resolved[1]}")
     tokens_per_step = micro * gas * seq_len * world
+    if start_step >= steps:
+        say(finished_already(out, ckpt_dir, start_step, steps))
+        print(f"rank {rank} finished at step {engine.global_steps} stage {engine.stage}", flush=True)
+        return 0
     log = MetricsLog(out / "metrics.jsonl", resume_step=start_step) if rank == 0 else None
     total = total_parameter_numel(engine.module)  # collective
-    if rank == 0:
-        print(f"training {steps} steps from step {start_step}: {tokens_per_step} tokens/step, stage {engine.stage}, "
-              f"{ds_pseudo_real.parameter_count(engine.module):,} parameters per rank, {total:,} in total, output "
-              f"{out}", flush=True)
-        if (switch_step(engine) or 0) > steps:
-            print(f"[ds_pseudo_real] WARNING: the next delink is planned at step {switch_step(engine)}, after this run's "
-                  f"last step {steps} (--steps, else scheduler.params.total_num_steps): this run trains only the "
-                  f"{engine.stage} model", file=sys.stderr, flush=True)
+    say(f"training {steps} steps from step {start_step}: {tokens_per_step} tokens/step, stage {engine.stage}, "
+        f"{ds_pseudo_real.parameter_count(engine.module):,} parameters per rank, {total:,} in total, output {out}")
+    if rank == 0 and (switch_step(engine) or 0) > steps:
+        warn(f"the next delink is planned at step {switch_step(engine)}, after this run's last step {steps} (--steps, "
+             f"else scheduler.params.total_num_steps): this run trains only the {engine.stage} model")
 
     seen_transition = engine.last_transition
     window_start, window_steps = time.perf_counter(), 0
@@ -370,14 +405,13 @@ def train(args: argparse.Namespace) -> int:
             engine.report_eval({"val_loss": record["val_loss"]})
         if log:
             log.write(record)
-        if rank == 0 and (done % args.log_interval == 0 or "val_loss" in record or done == steps):
+        if done % args.log_interval == 0 or "val_loss" in record or done == steps:
             elapsed = time.perf_counter() - window_start
             rate = window_steps * tokens_per_step / max(elapsed, 1e-9)
             events["tokens_per_s"] = rate
             val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
-            print(f"step {done}/{steps} | stage {stage} | loss {train_loss:.4f}{val} | {rate:,.0f} tokens/s | "
-                  f"lr {record['lr']:.2e} | {progress(done, start_step, steps, switch_step(engine), run_start)}",
-                  flush=True)
+            say(f"step {done}/{steps} | stage {stage} | loss {train_loss:.4f}{val} | {rate:,.0f} tokens/s | "
+                f"lr {record['lr']:.2e} | {progress(done, start_step, steps, switch_step(engine), run_start)}")
             window_start, window_steps = time.perf_counter(), 0
         write_monitor(engine, events, done, tokens_per_step)
         if args.save_interval and done % args.save_interval == 0 and done < steps:
@@ -386,18 +420,69 @@ def train(args: argparse.Namespace) -> int:
             save_before_stopping(engine, str(ckpt_dir), done, stopper.received or "from another rank", rank)
             return 0
 
-    if engine.global_steps > start_step or not ckpt_dir.exists():
-        warn_on_failed_save(engine.wait_for_checkpoints, rank)  # the last interval's, written in the background
-        engine.save_checkpoint(str(ckpt_dir))
+    warn_on_failed_save(engine.wait_for_checkpoints, rank)  # the last interval's, written in the background
+    engine.save_checkpoint(str(ckpt_dir))
     engine.wait_for_checkpoints()  # the final checkpoint published, or exit 2
     if rank == 0:
+        history = read_records(out / "metrics.jsonl")
+        plot = out / "loss.png"
         try:
-            plot_history(read_records(out / "metrics.jsonl"), out / "loss.png", title=Path(args.deepspeed_config).name)
-            print(f"wrote {out / 'metrics.jsonl'} and {out / 'loss.png'}", flush=True)
+            plot_history(history, plot, title=Path(args.deepspeed_config).name)
         except OSError as error:  # like a failed log write: the run itself is done and saved
-            print(f"[ds_pseudo_real] WARNING: could not write {out / 'loss.png'}: {error}", file=sys.stderr, flush=True)
+            warn(f"could not write {plot}: {error}")
+            plot = None
+        say(closing_summary(history, out, ckpt_dir / f"global_step{engine.global_steps}", plot, start_step, steps,
+                            tokens_per_step, time.perf_counter() - began))
     print(f"rank {rank} finished at step {engine.global_steps} stage {engine.stage}", flush=True)
     return 0
+
+
+def stage_spans(history: List[Mapping[str, Any]]) -> List[str]:
+    """The run's stages from its history: ``pseudo (1 parameter group) steps 1-150``, each delink between them."""
+    spans: List[List[Any]] = []  # [stage, groups, first step, last step]
+    delinks = {r["step"]: r for r in history if r.get("event") == "delink"}
+    for record in (r for r in history if "train_loss" in r):
+        if spans and spans[-1][:2] == [record["stage"], record["groups"]]:
+            spans[-1][3] = record["step"]
+        else:
+            spans.append([record["stage"], record["groups"], record["step"], record["step"]])
+    parts = []
+    for stage, groups, first, last in spans:
+        delink = delinks.get(first - 1)
+        if delink is not None:
+            parts.append(f"delinked at step {first - 1} in {delink.get('seconds', 0):.2f} s "
+                         f"({delink.get('groups_before')} -> {delink.get('groups_after')} parameter groups)")
+        plural = "s" if groups != 1 else ""
+        parts.append(f"{stage} ({groups} parameter group{plural}) steps {first}-{last}")
+    return parts
+
+
+def closing_summary(history: List[Mapping[str, Any]], out: Path, checkpoint: Path, plot: Optional[Path],
+                    start_step: int, steps: int, tokens_per_step: int, seconds: float) -> str:
+    """What the run did and where it left it: stages and delinks, steps, tokens, the last losses, the time, the
+    checkpoint, metrics and plot, and how to go on."""
+    train = [r for r in history if "train_loss" in r]
+    val = [r for r in history if "val_loss" in r]
+    losses = [f"train {train[-1]['train_loss']:.4f}"] if train else []
+    if val:
+        losses.append(f"validation {val[-1]['val_loss']:.4f} (step {val[-1]['step']})")
+    return "\n".join([
+        f"done: step {steps} of {steps}, steps {start_step + 1}-{steps} in this run, {format_seconds(seconds)} in "
+        f"all; {steps * tokens_per_step:,} tokens trained on",
+        "  stages: " + "; ".join(stage_spans(history) or ["none recorded"]),
+        "  final loss: " + (", ".join(losses) or "not recorded"),
+        f"  checkpoint: {checkpoint}",
+        f"  metrics: {out / 'metrics.jsonl'}" + (f"; plot: {plot}" if plot else ""),
+        f"  next: the same command trains on from step {steps} with --steps N (N > {steps}); --no-resume or another "
+        f"--output-dir starts over",
+    ])
+
+
+def finished_already(out: Path, ckpt_dir: Path, step: int, steps: int) -> str:
+    return (f"{out} has finished already: its checkpoint {ckpt_dir / f'global_step{step}'} is at step {step}, and "
+            f"this run is to end at step {steps} (--steps, else scheduler.params.total_num_steps), so there is "
+            f"nothing to train. To train on, run the same command with --steps N (N > {step}); to start over, add "
+            f"--no-resume or give another --output-dir")
 
 
 @record  # torch elastic: an exception that ends a rank goes into torchrun's failure summary as its root cause
@@ -410,7 +495,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = parse_args(argv)
         return check(args) if args.check else train(args)
-    except (CheckpointError, ConfigError) as error:
+    except (CheckpointError, ConfigError, PortInUse, StaleBuildLock) as error:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         get_error_handler().record_exception(error)  # into $TORCHELASTIC_ERROR_FILE when torchrun set it
@@ -431,4 +516,5 @@ def exit_without_teardown(status: int) -> None:
 
 
 if __name__ == "__main__":
-    exit_without_teardown(main())
+    status = main()
+    exit_without_teardown(0 if status is None else status)  # None: --help (torch elastic's @record returns it)

@@ -29,12 +29,14 @@ import inspect
 import os
 import runpy
 import sys
-from typing import Callable, Dict, List, Optional, Union
+import time
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from ds_pseudo_real.checkpoint import CheckpointError, claim
 from ds_pseudo_real.config import OptimizerStatePolicy
+from ds_pseudo_real.logs import logger, quiet_libraries
 from megatron_patches import stage_copies
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -342,6 +344,7 @@ class PseudoToRealRun:
         from megatron_patches.delink import delink_in_process
 
         run_args = self.get_args()
+        start, before = time.perf_counter(), parameter_numel(model)
         self.pseudo_stage = False
         for name, value in self.restore_at_delink.items():
             setattr(run_args, name, value)
@@ -362,6 +365,47 @@ class PseudoToRealRun:
         model[:] = new_model
         _become(optimizer, new_optimizer)
         _move_train_hooks(config, model, optimizer)
+        after = parameter_numel(model)
+        totals = total_parameter_numel(before, after)
+        logger.info(f"delinked at iteration {run_args.curr_iteration} in {time.perf_counter() - start:.2f}s: "
+                    f"parameters per rank {sum(before):,} -> {sum(after):,}, in total {totals[0]:,} -> {totals[1]:,}; "
+                    f"optimizer state '{run_args.pseudo_to_real_optimizer_state}'; parameter groups "
+                    f"{run_args.pseudo_to_real_groups} -> {run_args.num_layers}")
+
+
+def parameter_numel(chunks: List[torch.nn.Module]) -> Tuple[int, int]:
+    """This rank's (dense, expert) parameter elements in ``chunks``, a set shared by several layers counted once;
+    expert parameters are the ones Megatron does not all-reduce over the data-parallel group (``allreduce`` False)."""
+    seen, dense, expert = set(), 0, 0
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                if getattr(param, "allreduce", True):
+                    dense += param.numel()
+                else:
+                    expert += param.numel()
+    return dense, expert
+
+
+def total_parameter_numel(*counts: Tuple[int, int]) -> List[int]:
+    """The model's parameter elements over all ranks for each of this rank's ``(dense, expert)`` counts (collective):
+    every rank's sum, each dense parameter held by the world / (tensor x pipeline) ranks, each expert parameter by
+    the world / (expert tensor x expert x pipeline) ranks."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    pipeline = mpu.get_pipeline_model_parallel_world_size()
+    dense_copies = world // (mpu.get_tensor_model_parallel_world_size() * pipeline)
+    expert_copies = world // (mpu.get_expert_tensor_parallel_world_size() * mpu.get_expert_model_parallel_world_size()
+                              * pipeline)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None  # NCCL's
+    shares = torch.tensor([[dense / dense_copies, expert / expert_copies] for dense, expert in counts],
+                          dtype=torch.float64, device=device)
+    if dist.is_initialized() and world > 1:
+        dist.all_reduce(shares)
+    return [round(value) for value in shares.sum(dim=1).tolist()]
 
 
 _INSTALLED: List[tuple] = []
@@ -515,6 +559,9 @@ def run_script(script: str, args: List[str]) -> None:
     from megatron_patches import cpu_compat
 
     end_children_with_this_process()  # Megatron's checkpoint writers and results Manager end with the rank
+    # Each repeated warning once from here on. Megatron-LM's own lines are left as it prints them: rank 0's, and
+    # the last rank's (its iteration lines and timers); the drop-in's from rank 0.
+    quiet_libraries()
     cpu_compat.install_training()  # a no-op when CUDA is available
     install()
     sys.argv = [script, *args]

@@ -1,5 +1,7 @@
-"""Shared test set-up: one fixed C++ extension cache, one py-cpuinfo answer per session, a single-process distributed
-environment, the PYTHONPATH of the processes tests start, helpers to run 2-rank jobs on gloo."""
+"""Shared test set-up: one fixed C++ extension cache (DeepSpeed's ops built once, for the modules that need them),
+one py-cpuinfo answer per session, a single-process distributed environment, the PYTHONPATH of the processes tests
+start, helpers to run 2-rank jobs on gloo."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -84,14 +86,34 @@ def single_process_dist_env():
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def deepspeed_ops():
-    """Build (or load from TORCH_EXTENSIONS_DIR) DeepSpeed's CPU ops once, before any test or rank needs them,
-    so that 2-rank subprocesses never compile the same op at the same time."""
+def pytest_configure(config):
+    config.addinivalue_line("markers", "no_ops: the module builds no DeepSpeed engine, so its tests do not wait for "
+                                       "DeepSpeed's C++ ops to be built or loaded")
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops(request):
+    """Build (or load from TORCH_EXTENSIONS_DIR) DeepSpeed's CPU ops once per test process, before a test or rank
+    that needs them, so that 2-rank subprocesses never compile the same op at the same time. Each build is said on
+    the terminal (what, where, how long: ``ds_state.op_builds``), past pytest's capture."""
     from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder
 
-    for builder in (CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder):
-        builder().load(verbose=False)
+    from ds_pseudo_real.ds_state.op_builds import announce_op_builds
+
+    announce_op_builds()
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        for builder in (CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder):
+            builder().load(verbose=False)
+    yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def deepspeed_ops_unless_pure(request):
+    """The ops for every module but those marked ``no_ops`` (``pytestmark = pytest.mark.no_ops``): a test that needs
+    no op never waits for a build."""
+    if request.node.get_closest_marker("no_ops") is None:
+        request.getfixturevalue("deepspeed_ops")
     yield
 
 

@@ -1,7 +1,11 @@
 """The embedded corpus's file list: the standard library's own sources, not the packages installed beside them."""
 from pathlib import Path
 
+import pytest
+
 from ds_pseudo_real.data import stdlib_source_files
+
+pytestmark = pytest.mark.no_ops  # builds no DeepSpeed engine: never waits for its C++ ops
 
 
 def test_the_file_list_skips_installed_packages_and_is_ordered_by_relative_path(tmp_path):

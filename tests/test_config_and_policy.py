@@ -6,6 +6,8 @@ from ds_pseudo_real.callbacks import TrainingControl, TrainingState
 from ds_pseudo_real.config import ConfigError, SwitchTrigger, parse_pseudo_to_real
 from ds_pseudo_real.transition import StageTransitionCallback, lr_factor, member_moments, plateaued, rewarmup_factor
 
+pytestmark = pytest.mark.no_ops  # builds no DeepSpeed engine: never waits for its C++ ops
+
 
 def parse(section):
     return parse_pseudo_to_real({"pseudo_to_real": section})
@@ -33,6 +35,47 @@ def test_defaults_and_absent_section():
 def test_bad_values_name_key_value_and_accepted(section, expected):
     with pytest.raises(ConfigError, match=expected):
         parse(section)
+
+
+@pytest.mark.parametrize(
+    "section, expected",
+    [
+        ({"switch": {"at_step": True}}, r"pseudo_to_real.switch.at_step: Input should be a valid integer \(got True\)"),
+        ({"groups": 2.0}, r"pseudo_to_real.groups: Input should be a valid integer \(got 2.0\)"),
+        ({"enabled": "yes"}, r"pseudo_to_real.enabled: Input should be a valid boolean \(got 'yes'\)"),
+        ({"swich": {"at_step": 3}}, r"pseudo_to_real.swich: unknown key \(got \{'at_step': 3\}\); did you mean "
+                                    r"'pseudo_to_real.switch'\?"),
+        ({"switch": {"at_stpe": 5}}, r"pseudo_to_real.switch.at_stpe: unknown key \(got 5\); did you mean "
+                                     r"'pseudo_to_real.switch.at_step'\?"),
+        ({"switch": {"on_plateau": {"windw": 3}}}, r"did you mean 'pseudo_to_real.switch.on_plateau.window'\?"),
+        ({"schedule": [{"groups": 1}, {"at_step": 3, "grups": 2}]}, r"pseudo_to_real.schedule.1.grups: unknown key "
+                                                                     r"\(got 2\); did you mean 'pseudo_to_real.schedule.1.groups'\?"),
+        ({"switch": {"xyzzy": 1}}, r"pseudo_to_real.switch.xyzzy: unknown key \(got 1\); accepted keys: "
+                                   r"\['at_step', 'at_tokens', 'on_plateau'\]"),
+    ],
+    ids=["bool-for-step", "float-for-int", "string-for-bool", "section-key", "nested-key", "two-deep", "in-a-list",
+         "nothing-close"],
+)
+def test_values_are_strict_and_unknown_keys_get_the_closest_one_dotted(section, expected):
+    with pytest.raises(ConfigError, match=expected):
+        parse(section)
+
+
+def test_every_section_is_strict_and_suggests_dotted_keys():
+    from ds_pseudo_real.run_config import RunConfig
+
+    for config, expected in [
+        ({"checkpoint": {"async_save": "yes"}}, r"checkpoint.async_save: Input should be a valid boolean \(got 'yes'\)"),
+        ({"gpt": {"n_layers": 3}}, r"gpt.n_layers: unknown key \(got 3\); did you mean 'gpt.n_layer'\?"),
+        ({"data": {"max_byte": 3}}, r"data.max_byte: unknown key for type 'byte_corpus'.*did you mean 'data.max_bytes'"),
+        ({"granular_offload": {"device_memory": "1GB", "activations": {"micro_batch": 1, "seq_len": 8, "hidden": 8,
+                                                                        "heads": 1, "checkpointing": 1}}},
+         r"granular_offload.activations.checkpointing: Input should be a valid boolean \(got 1\)"),
+    ]:
+        with pytest.raises(ConfigError, match=expected):
+            RunConfig.load(config, world_size=1)
+    assert RunConfig.load({"granular_offload": {"device_memory": "1GB", "max_level": "host_optimizer"}},
+                          world_size=1).granular_offload.max_level == "host_optimizer"  # an enum by its name
 
 
 def test_section_must_be_an_object():

@@ -12,6 +12,8 @@ from ds_pseudo_real.data import ByteCorpusData, IndexedData
 from ds_pseudo_real.models.sections import GPTSection, HFSection, M6Section
 from ds_pseudo_real.offload.config import ActivationEstimate, GranularOffloadConfig, ModelSize
 
+pytestmark = pytest.mark.no_ops  # builds no DeepSpeed engine: never waits for its C++ ops
+
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "docs" / "configuration.md"
 

@@ -59,6 +59,12 @@ def test_main_job_trains_both_stages_writes_history_and_resumes(tmp_path):
     assert [r["stage"] for r in rows if "train_loss" in r] == ["pseudo"] * 12 + ["real"] * 12
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "checkpoints" / "latest").read_text() == "global_step24"
+    summary = log[log.index("done: step 24 of 24, steps 1-24 in this run, "):].splitlines()
+    assert summary[1].startswith("  stages: pseudo (1 parameter group) steps 1-12; delinked at step 12 in ")
+    assert summary[1].endswith("(1 -> 4 parameter groups); real (4 parameter groups) steps 13-24")
+    assert summary[2] == f"  final loss: train {rows[-1]['train_loss']:.4f}, validation {val[24]:.4f} (step 24)"
+    assert summary[3:5] == [f"  checkpoint: {out}/checkpoints/global_step24",
+                            f"  metrics: {out}/metrics.jsonl; plot: {out}/loss.png"]
 
     # Continue the same run to step 30 with a longer schedule: resumes in the real stage from step 24.
     log = run_single("--deepspeed_config", str(tiny_config(tmp_path, steps=30)), "--output-dir", str(out), *TINY)
@@ -66,6 +72,13 @@ def test_main_job_trains_both_stages_writes_history_and_resumes(tmp_path):
     assert "rank 0 finished at step 30 stage real" in log
     steps = [r["step"] for r in records(out) if "train_loss" in r]
     assert steps == list(range(1, 31))
+
+    # The same command again: the run is finished; it says so and how to go on, and changes nothing.
+    history = (out / "metrics.jsonl").read_bytes()
+    log = run_single("--deepspeed_config", str(tiny_config(tmp_path, steps=30)), "--output-dir", str(out), *TINY)
+    assert f"{out} has finished already: its checkpoint {out}/checkpoints/global_step30 is at step 30" in log
+    assert "--steps N (N > 30)" in log and "training 30 steps" not in log
+    assert (out / "metrics.jsonl").read_bytes() == history and ckpt.latest_tag(str(out / "checkpoints")) == "global_step30"
 
 
 def test_main_job_resumes_from_a_chosen_checkpoint_keeps_history_and_never_starts_over(tmp_path):
@@ -108,6 +121,11 @@ def test_main_job_on_two_ranks(tmp_path):
     assert "rank 0 finished at step 12 stage real" in proc.stdout
     assert "rank 1 finished at step 12 stage real" in proc.stdout
     assert [r["step"] for r in records(out) if r.get("event") == "delink"] == [6]
+    # rank 0 alone says what the job and the plugin do; each rank says it started and finished
+    for line in ("training 12 steps from step 0", "step 12/12 | stage real", "[ds_pseudo_real] delinked at step 6",
+                 "done: step 12 of 12", "rank 0 memory real"):
+        assert proc.stdout.count(line) == 1, (line, proc.stdout[-3000:])
+    assert "rank 1 memory" not in proc.stdout and proc.stdout.count(" started on ") == 2
 
 
 def test_console_script_help_lists_commands():

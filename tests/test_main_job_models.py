@@ -274,7 +274,9 @@ def test_shipped_configs_plan_the_model_the_main_job_trains(name):
 
     cfg = json.loads((REPO / "configs" / name).read_text())
     world = cfg.get("m6", {}).get("expert_parallel", 1)
-    job = read_job(parse_args(["--check", str(REPO / "configs" / name), "--world-size", str(world)]), world)
+    # the model's shape only: the large ones train on the demo corpus only with --allow-demo-corpus
+    job = read_job(parse_args(["--check", str(REPO / "configs" / name), "--world-size", str(world),
+                               "--allow-demo-corpus"]), world)
     with torch.device("meta"):
         model = build_model(job.spec)
     sizes, _ = model_groups(model, job.spec.layers, world)

@@ -16,6 +16,8 @@ from ds_pseudo_real.sharing import (
     sharing_groups,
 )
 
+pytestmark = pytest.mark.no_ops  # builds no DeepSpeed engine: never waits for its C++ ops
+
 CFG = GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=16)
 
 

@@ -13,7 +13,9 @@
     pipeline              a PipelineModule's specs and stage's layers read, a module like it built, tied weights synced
     accounting            the bytes a rank holds, the parameters over all ranks
     engine_hooks          granular offload's gradients in the engine's norm, overflow check, zero_grad and reduction
-    host_broadcast        the one class-level patch: the model broadcast sends host tensors through the device
+    host_broadcast        a class-level patch: the model broadcast sends host tensors through the device
+    op_builds             two patches: every C++ op build said (what, once, where), a stale build lock named, and
+                          the main job's backend made without the op only DeepSpeed's inference uses
     monitors              one monitor per run, rewound on resume, a failed write a warning
     retire                a module its engine no longer trains, cut loose from that engine
 
@@ -43,5 +45,6 @@ from .pipeline import is_pipeline_module, pipeline_stage_layers, tied_across_sta
 from .accounting import memory_report, total_parameter_numel
 from .engine_hooks import before_gradient_reduction, drop_gradients_with, include_in_gradient_norm, steps_when_built
 from .host_broadcast import HOST_BROADCAST_CHUNK_BYTES, route_host_broadcasts, unroute_host_broadcasts
+from .op_builds import StaleBuildLock, announce_op_builds, skip_inference_all_reduce_op
 from .monitors import MONITOR_SECTIONS, rewind_monitors, warn_on_failed_monitor_writes, without_monitors
 from .retire import retire_module

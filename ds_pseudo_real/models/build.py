@@ -171,13 +171,16 @@ class HFCausalLM(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def _gpt_config(spec: ModelSpec) -> GPTConfig:
+    o = spec.options
+    return GPTConfig(vocab_size=spec.vocab_size, seq_len=spec.seq_len, n_layer=o["n_layer"], d_model=o["d_model"],
+                     n_head=o["n_head"], mlp_ratio=o["mlp_ratio"], checkpoint_activations=o[CHECKPOINT_KEY])
+
+
 def build_model(spec: ModelSpec, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if spec.kind == "gpt":
-        o = spec.options
-        return GPT(GPTConfig(vocab_size=spec.vocab_size, seq_len=spec.seq_len, n_layer=o["n_layer"],
-                             d_model=o["d_model"], n_head=o["n_head"], mlp_ratio=o["mlp_ratio"],
-                             checkpoint_activations=o[CHECKPOINT_KEY]))
+        return GPT(_gpt_config(spec))
     if spec.kind == "m6":
         from .m6 import M6GPT
 
@@ -190,6 +193,21 @@ def build_model(spec: ModelSpec, seed: int = 0) -> nn.Module:
     if spec.options[CHECKPOINT_KEY]:  # the same recompute, through transformers' own switch
         model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def parameter_total(spec: ModelSpec) -> int:
+    """The model's parameter count over all ranks, without allocating it (for the main job's check of a model
+    against its data, before any rank builds it): the GPT and M6 from their shapes, a Hugging Face model built on
+    the meta device."""
+    if spec.kind == "gpt":
+        return _gpt_config(spec).parameter_count()
+    if spec.kind == "m6":
+        from ..moe.architecture import total_parameters
+
+        return total_parameters(spec.options["arch"])
+    with torch.device("meta"):
+        model = build_model(spec)
+    return sum(p.numel() for p in model.parameters())
 
 
 def parameter_groups(spec: ModelSpec) -> Optional[Callable[[nn.Module], List[Dict]]]:

@@ -24,6 +24,14 @@ class GPTConfig:
     bias: bool = True  # of the attention's linear layers
     checkpoint_activations: bool = False  # recompute each layer in the backward (see call_layer)
 
+    def parameter_count(self) -> int:
+        """The parameters of ``GPT(self)``, without building it (a model too large to build, or to import what
+        building one on the meta device imports, is counted all the same; tested against the built model)."""
+        d, hidden = self.d_model, self.mlp_ratio * self.d_model
+        attention = 4 * d * d + (4 * d if self.bias else 0)
+        block = 2 * d + attention + 2 * d + (d * hidden + hidden) + (hidden * d + d)
+        return (self.vocab_size + self.seq_len) * d + self.n_layer * block + 2 * d + d * self.vocab_size
+
 
 def call_layer(layer: nn.Module, x: torch.Tensor, checkpoint: bool):
     """``layer(x)``. With ``checkpoint`` (while autograd records) the layer keeps only its input for the backward

@@ -74,7 +74,7 @@ class GranularOffloadConfig(SectionModel):
     enabled: bool = True
     device_memory: Optional[int] = None
     levels: Optional[Union[List[str], Dict[str, str]]] = None
-    max_level: PlacementLevel = PlacementLevel.HOST_PARAMS
+    max_level: PlacementLevel = Field(PlacementLevel.HOST_PARAMS, strict=False)  # JSON gives the level's name
     activations: Optional[ActivationEstimate] = None
     activation_bytes: Optional[int] = None
     reserved: Optional[int] = None  # None: DEFAULT_RESERVED_BYTES on CUDA, 0 on a CPU-only run

@@ -58,7 +58,7 @@ class Log:
     """What one run printed: its losses, gradient norms and times (ms) by iteration (the second loss each pass of
     the script logged left out, see the module docstring), the (data, tensor, pipeline) parallel sizes of each pass,
     the parameter count of each model it built on tensor and pipeline rank 0, in order (and on every (tensor,
-    pipeline) rank: ``stage_params``), and the drop-in's warnings (stderr) and notes (stdout)."""
+    pipeline) rank: ``stage_params``), the drop-in's warnings (stderr) and notes (stdout), and its delink lines."""
 
     def __init__(self, stdout: str, stderr: str = ""):
         passes = [LOSS.findall(text) for text in LAYOUT.split(stdout)[::LAYOUT.groups + 1]]
@@ -77,6 +77,7 @@ class Log:
             self.stage_params.setdefault(rank, []).append(n)
         self.warnings = [line for line in stderr.splitlines() if line.startswith("[megatron_patches] WARNING")]
         self.notes = [line for line in stdout.splitlines() if line.startswith("[megatron_patches] ")]
+        self.delinks = [line for line in stdout.splitlines() if line.startswith("[ds_pseudo_real] delinked at ")]
 
 
 def pretrain(nproc: int, *flags: str, cwd: Path, expect_ok: bool = True, env_extra: Optional[dict] = None

@@ -6,6 +6,8 @@ import torch
 
 from megatron_patches import PATCHES, cpu_compat
 
+pytestmark = pytest.mark.no_ops  # builds no DeepSpeed engine: never waits for its C++ ops
+
 
 def test_install_redirects_cuda_and_uninstall_restores():
     original = torch.cuda.current_device

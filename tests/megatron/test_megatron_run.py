@@ -87,6 +87,11 @@ def test_loss_continuous_at_the_delink(runs, request):
     assert full.warnings == [] and never.warnings == [
         "[megatron_patches] WARNING: --pseudo-to-real-switch-iter 100 is beyond --train-iters 8: this run trains only "
         "the pseudo model"]
+    # The delink says what it did, as on the DeepSpeed side, once (rank 0).
+    assert len(full.delinks) == 1 and never.delinks == []
+    assert re.fullmatch(rf"\[ds_pseudo_real\] delinked at iteration {SWITCH} in \d+\.\d\ds: parameters per rank "
+                        rf"{PSEUDO_PARAMS:,} -> {REAL_PARAMS:,}, in total {PSEUDO_PARAMS:,} -> {REAL_PARAMS:,}; "
+                        rf"optimizer state 'copy'; parameter groups 1 -> 4", full.delinks[0]), full.delinks
 
 
 @needs_megatron_lm

@@ -4,6 +4,8 @@ import pytest
 from ds_pseudo_real import sharing
 from ds_pseudo_real.moe import architecture as m6
 
+pytestmark = pytest.mark.no_ops  # builds no DeepSpeed engine: never waits for its C++ ops
+
 
 def test_m6_10t_expert_parameters_match_the_paper_product():
     arch = m6.M6_10T
