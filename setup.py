@@ -25,5 +25,16 @@ setup(
         "test": ["pytest>=8", "pytest-xdist>=3.5", *MEGATRON_LM, "tokenizers", "transformers>=4.40", "tensorboard"],
         "bench": ["matplotlib"],
     },
-    entry_points={"console_scripts": ["ds-pseudo-real=ds_pseudo_real.cli:main"]},
+    entry_points={
+        "console_scripts": ["ds-pseudo-real=ds_pseudo_real.cli:main"],
+        # the subcommands of ds-pseudo-real (ds_pseudo_real/cli.py dispatches to them)
+        "ds_pseudo_real.commands": [
+            "train=launch.train:main",
+            "preprocess=ds_pseudo_real.preprocess:main",
+            "convert=ds_pseudo_real.convert:main",
+            "plan=ds_pseudo_real.plan_command:main",
+            "slurm=launch.slurm:main",
+            "hostfile=launch.hostfile:main",
+        ],
+    },
 )

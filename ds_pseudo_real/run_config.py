@@ -22,13 +22,20 @@ from .config import (
     parse_pseudo_to_real, split_checkpoint_options, validate_section,
 )
 from .data import DataSection
-from .models.sections import MODEL_SECTIONS, GPTSection, ModelSection
+from .models.registry import model_sections
+from .models.sections import ModelSection
 from .offload.config import SECTION as OFFLOAD_SECTION, GranularOffloadConfig
 from .training_facts import TrainingFacts
 
 # Sections of the plugin: read by ds_pseudo_real.initialize, or by the main job (the model and the data it trains).
 PLUGIN_SECTIONS = ("pseudo_to_real", "granular_offload")
-MAIN_JOB_SECTIONS = ("gpt", "m6", "hf", "data")
+DEFAULT_MODEL = "gpt"  # the family the main job trains when the config has no model section
+
+
+def main_job_sections() -> tuple:
+    """The main job's sections: every registered model family's, and ``data``."""
+    return (*model_sections(), "data")
+
 # The top-level keys DeepSpeed 0.19.8 reads (its config parsers, its monitors and its documented sections). DeepSpeed
 # ignores any other key without a word, so a misspelled section would silently do nothing: the plugin refuses it.
 DEEPSPEED_KEYS = frozenset("""
@@ -62,13 +69,13 @@ def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> Dict[s
 
 def check_top_level_keys(ds_config: Mapping[str, Any]) -> None:
     """Refuse a top-level key that neither DeepSpeed nor the plugin knows, naming the closest known one."""
-    known = DEEPSPEED_KEYS | set(PLUGIN_SECTIONS) | set(MAIN_JOB_SECTIONS)
+    known = DEEPSPEED_KEYS | set(PLUGIN_SECTIONS) | set(main_job_sections())
     lines = []
     for key in ds_config:
         if key in known:
             continue
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-        sections = sorted(PLUGIN_SECTIONS + MAIN_JOB_SECTIONS)
+        sections = sorted(PLUGIN_SECTIONS + main_job_sections())
         hint = f"did you mean {close[0]!r}?" if close else f"the plugin's sections are {sections}"
         lines.append(f"{key}: unknown top-level key, known to neither DeepSpeed nor ds_pseudo_real; {hint}")
     if lines:
@@ -187,12 +194,14 @@ class RunConfig:
         granular_offload = optional_section(GranularOffloadConfig, OFFLOAD_SECTION, raw)
         without_plugin_keys, checkpoint = split_checkpoint_options(raw)
         data = validate_section(data_model, "data", raw.get("data", {}))
-        chosen = [kind for kind in MODEL_SECTIONS if kind in raw]
+        sections = model_sections()
+        chosen = [kind for kind in sections if kind in raw]
         if len(chosen) > 1:
-            raise ConfigError(f"the config has the model sections {chosen}; give one of {list(MODEL_SECTIONS)}")
-        kind = chosen[0] if chosen else GPTSection.kind  # none: gpt with its defaults
-        model = validate_section(MODEL_SECTIONS[kind], kind, raw.get(kind))
-        deepspeed = {k: v for k, v in without_plugin_keys.items() if k not in PLUGIN_SECTIONS + MAIN_JOB_SECTIONS}
+            raise ConfigError(f"the config has the model sections {chosen}; give one of {list(sections)}")
+        kind = chosen[0] if chosen else DEFAULT_MODEL  # none: gpt with its defaults
+        model = validate_section(sections[kind], kind, raw.get(kind))
+        ignored = PLUGIN_SECTIONS + main_job_sections()
+        deepspeed = {k: v for k, v in without_plugin_keys.items() if k not in ignored}
         training = TrainingFacts.from_deepspeed(deepspeed, world_size if world_size is not None else
                                                 data_parallel_size(mpu))
         return cls(deepspeed, training, pseudo_to_real, granular_offload, checkpoint, model, data,

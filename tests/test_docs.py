@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from ds_pseudo_real.config import CheckpointOptions, PlateauTrigger, PseudoToRealConfig, ScheduleStage, SwitchTrigger
 from ds_pseudo_real.data import ByteCorpusData, IndexedData
-from ds_pseudo_real.models.sections import GPTSection, HFSection, M6Section
+from ds_pseudo_real.models.registry import model_sections
 from ds_pseudo_real.offload.config import ActivationEstimate, GranularOffloadConfig, ModelSize
 
 pytestmark = pytest.mark.no_ops  # builds no DeepSpeed engine: never waits for its C++ ops
@@ -24,9 +24,7 @@ SECTIONS = [
     (PlateauTrigger, "pseudo_to_real.switch.on_plateau"),
     (CheckpointOptions, "checkpoint"),
     (GranularOffloadConfig, "granular_offload"),
-    (GPTSection, "gpt"),
-    (M6Section, "m6"),
-    (HFSection, "hf"),
+    *((section, kind) for kind, section in model_sections().items()),
     (ByteCorpusData, "data"),
     (IndexedData, "data"),
 ]
@@ -103,3 +101,12 @@ def test_the_main_readme_shows_the_test_command_ci_runs():
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
     assert TEST_COMMAND in readme and TEST_COMMAND in ci.replace("python -m pytest", "pytest")
+
+
+def test_the_models_table_is_the_registered_families_rows():
+    """docs/main-job.md's table of the main job's models, row for row, as each family registers it."""
+    from ds_pseudo_real.models.registry import docs_rows
+
+    text = (REPO / "docs" / "main-job.md").read_text()
+    table = text[text.index("| section | model |"):].split("\n\n")[0].splitlines()[2:]
+    assert table == docs_rows()

@@ -266,7 +266,7 @@ def test_shipped_configs_plan_the_model_the_main_job_trains(name):
     command's (tests/offload/test_config_cli.py)."""
     from ds_pseudo_real.models.build import build_model
     from ds_pseudo_real.offload import model_groups
-    from ds_pseudo_real.offload.cli import m6_model_size
+    from ds_pseudo_real.plan_command import m6_model_size
     from ds_pseudo_real.offload.config import training_setup
     from ds_pseudo_real.offload.planner import PlacementLevel, plan_placement
     from ds_pseudo_real.sharing import apply_sharing

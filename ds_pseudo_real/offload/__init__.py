@@ -1,8 +1,8 @@
 """Granular CPU offloading: a per-layer placement planner (``planner``), its config section (``config``), the
-``plan`` command (``cli``), the ZeRO-compatible optimizer wrapper (``optimizer``) and host-resident parameters
-(``params``). ``offload_optimizer`` composes them for ``ds_pseudo_real.initialize`` (``build_offload_optimizer``
-from a DeepSpeed config dict); ``attach_to_engine`` is the one step taken on the engine built with them (through
-``ds_pseudo_real.ds_state``)."""
+ZeRO-compatible optimizer wrapper (``optimizer``) and host-resident parameters (``params``); the ``plan`` command
+that prints a plan is ``ds_pseudo_real.plan_command``. ``offload_optimizer`` composes them for
+``ds_pseudo_real.initialize`` (``build_offload_optimizer`` from a DeepSpeed config dict); ``attach_to_engine`` is the
+one step taken on the engine built with them (through ``ds_pseudo_real.ds_state``)."""
 from __future__ import annotations
 
 import copy

@@ -12,7 +12,7 @@ import sys
 from typing import List, Optional
 
 from ds_pseudo_real.config import ConfigError
-from ds_pseudo_real.models.sections import M6Section
+from ds_pseudo_real.models.families.m6 import M6Section
 from ds_pseudo_real.offload.config import ACCELERATORS, ModelSize, planned_placement, training_setup
 from ds_pseudo_real.offload.planner import PlanError, describe_plan, format_bytes, parse_bytes, place, uniform_groups
 from ds_pseudo_real.run_config import RunConfig, load_ds_config

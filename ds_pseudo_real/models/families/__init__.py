@@ -1,0 +1,1 @@
+"""The built-in model families of the main job: each module registers one (``models.registry``)."""
