@@ -403,7 +403,7 @@ class StageBuilder:
 
     def release(self) -> None:
         """Destroy the current engine and give back what it held (its monitor is kept for the next engine)."""
-        from .offload.pinned import empty_host_cache
+        from .pinned import empty_host_cache
 
         remove_hooks = getattr(ds_state.basic_optimizer(self.engine), "remove_hooks", None)
         if remove_hooks is not None:  # granular offload's fetch and gradient hooks live on the old model

@@ -1,5 +1,5 @@
 """On CUDA, two figures of the offload planner's byte model measured: the pinned host buffers of the offload
-(``ds_pseudo_real.offload.pinned``: registered with the CUDA runtime at their exact size, whole pages, nothing taken
+(``ds_pseudo_real.pinned``: registered with the CUDA runtime at their exact size, whole pages, nothing taken
 from torch's caching host allocator; one M6-10T layer's experts on one of 512 ranks: bf16 params and an fp32
 buffer), torch's pinned cache emptied as the delink does, and the allocator pool a side stream keeps for itself
 (``planner.STREAM_POOL_BYTES``). Elsewhere it says so and does nothing.
@@ -38,7 +38,7 @@ def pinned_rows():
     against ``planner.pinned_bytes``; the buffer must read as pinned and carry a non-blocking copy."""
     import torch
 
-    from ds_pseudo_real.offload.pinned import host_empty
+    from ds_pseudo_real.pinned import host_empty
     from ds_pseudo_real.offload.planner import pinned_bytes
 
     rows = []
@@ -62,7 +62,7 @@ def host_cache_row():
     it back."""
     import torch
 
-    from ds_pseudo_real.offload.pinned import empty_host_cache
+    from ds_pseudo_real.pinned import empty_host_cache
 
     block = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
     del block

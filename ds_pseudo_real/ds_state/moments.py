@@ -68,7 +68,7 @@ def unfilled(shape, device, pin_memory: bool = False) -> torch.Tensor:
     """New contiguous fp32 memory, left as the allocator gives it: for moments the delink writes next (pinned host
     memory: granular offload's, at its exact size)."""
     if pin_memory:
-        from ds_pseudo_real.offload.pinned import host_empty
+        from ds_pseudo_real.pinned import host_empty
 
         return host_empty(shape, torch.float32, pin=True)
     return torch.empty(shape, dtype=torch.float32, device=device)

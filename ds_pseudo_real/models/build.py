@@ -6,7 +6,7 @@ layers) around the family's own spec, and seeding the build. Must not know any f
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 from torch import nn
@@ -16,17 +16,14 @@ from ..sharing import sharing_groups
 from .registry import ModelSpec, family
 from .sections import CHECKPOINT_KEY, ModelSection
 
-if TYPE_CHECKING:
-    from ..run_config import RunConfig
-
 __all__ = ["ModelSpec", "model_spec", "build_model", "parameter_total", "parameter_groups"]
 
 
-def model_spec(config: "RunConfig", flags: Mapping[str, Optional[int]], vocab_size: int,
+def model_spec(config: Any, flags: Mapping[str, Optional[int]], vocab_size: int,
                eod: Optional[int] = None) -> ModelSpec:
-    """The model of ``config``'s model section (flags given on the command line win over the ``gpt`` section),
-    checked against the data (``vocab_size`` and ``eod``, the end-of-document id, None for the byte corpus), the
-    ranks and ``pseudo_to_real.groups``, which must divide the layer count."""
+    """The model of ``config``'s (a ``RunConfig``) model section (flags given on the command line win over the
+    ``gpt`` section), checked against the data (``vocab_size`` and ``eod``, the end-of-document id, None for the
+    byte corpus), the ranks and ``pseudo_to_real.groups``, which must divide the layer count."""
     section = config.model
     _check_activation_checkpointing(config, section)
     spec = family(section.kind).spec(section, flags, vocab_size, config.training.data_parallel_size, eod)
@@ -36,7 +33,7 @@ def model_spec(config: "RunConfig", flags: Mapping[str, Optional[int]], vocab_si
     return spec
 
 
-def _check_activation_checkpointing(config: "RunConfig", section: ModelSection) -> None:
+def _check_activation_checkpointing(config: Any, section: ModelSection) -> None:
     """The main job recomputes activations when the model section says so; refuse the settings that would
     otherwise be silently ignored or would plan for other activations than the job keeps."""
     kind, checkpoint = section.kind, section.checkpoint_activations

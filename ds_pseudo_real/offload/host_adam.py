@@ -16,7 +16,7 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam
 
 from ds_pseudo_real import ds_state
 from ds_pseudo_real.device import rank_device
-from ds_pseudo_real.offload import pinned
+from ds_pseudo_real import pinned
 from ds_pseudo_real.offload.planner import PlacementLevel
 
 HOST = torch.device("cpu")

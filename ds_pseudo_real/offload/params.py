@@ -33,7 +33,7 @@ from torch import nn
 
 from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.offload.layers import rank_layers
-from ds_pseudo_real.offload.pinned import host_empty
+from ds_pseudo_real.pinned import host_empty
 
 
 class Residency(str, enum.Enum):

@@ -45,7 +45,7 @@ DeepSpeed config for the accelerator the run is on):
       partition (m*w) and cast it to fp32 (4*m more when w != 4), one group at a time: the largest group's.
   Host: each kind of buffer above (params, master, gradient buffer, each moment) is one flat allocation per
       group; pinned ones (CUDA, ``pin_memory``) are anonymous pages registered with the CUDA runtime at their exact
-      size (``offload.pinned``), so each takes whole pages of ``PAGE_BYTES``: ``host_allocated_bytes`` is what the
+      size (``ds_pseudo_real.pinned``), so each takes whole pages of ``PAGE_BYTES``: ``host_allocated_bytes`` is what the
       host gives, and it is what ``host_memory`` bounds. (torch's own pinned allocator, not used for them, rounds
       every allocation up to a power of two: +31 % for an M6-10T expert group.)
 Modelled time the offload adds to an optimizer step (no overlap assumed: an upper bound): the bytes moved per
@@ -232,7 +232,7 @@ def host_buffers(numel: int, level: PlacementLevel, setup: TrainingSetup, dp_siz
 
 
 def pinned_bytes(size: int) -> int:
-    """Host bytes a pinned buffer of ``size`` takes: the whole pages it is registered in (``offload.pinned``)."""
+    """Host bytes a pinned buffer of ``size`` takes: the whole pages it is registered in (``ds_pseudo_real.pinned``)."""
     return -(-size // PAGE_BYTES) * PAGE_BYTES
 
 

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from gpu_contracts.fakes import FakeGpuRank  # noqa: E402
 from tiny_model import TinyLM  # noqa: E402
 
-from ds_pseudo_real.offload import GranularOffloadOptimizer, PlacementLevel, model_groups, pinned  # noqa: E402
+from ds_pseudo_real import pinned  # noqa: E402
+from ds_pseudo_real.offload import GranularOffloadOptimizer, PlacementLevel, model_groups  # noqa: E402
 from ds_pseudo_real.offload.params import HostParamStore  # noqa: E402
 from ds_pseudo_real.offload.planner import TrainingSetup, place  # noqa: E402
 
