@@ -66,7 +66,8 @@ def job_config(tmp_path, **changes):
 
 
 def read_job(*argv, world=1):
-    from launch.train import parse_args, read_job
+    from launch.job import read_job
+    from launch.train import parse_args
 
     return read_job(parse_args(list(argv)), world)
 
@@ -216,7 +217,7 @@ def test_an_interval_save_on_a_full_disk_is_a_warning_naming_the_last_good_check
 
 # ---- the closing summary ----------------------------------------------------------------------------------------
 def test_the_closing_summary_names_stages_losses_time_and_where_everything_is(tmp_path):
-    from launch.train import closing_summary, finished_already
+    from launch.run_report import closing_summary, finished_already
 
     history = [{"step": s, "stage": "pseudo", "groups": 1, "train_loss": 3.0 - s / 10} for s in (1, 2)]
     history += [{"event": "delink", "step": 2, "seconds": 0.25, "groups_before": 1, "groups_after": 4}]

@@ -270,7 +270,8 @@ def test_shipped_configs_plan_the_model_the_main_job_trains(name):
     from ds_pseudo_real.offload.config import training_setup
     from ds_pseudo_real.offload.planner import PlacementLevel, plan_placement
     from ds_pseudo_real.sharing import apply_sharing
-    from launch.train import parse_args, read_job
+    from launch.job import read_job
+    from launch.train import parse_args
 
     cfg = json.loads((REPO / "configs" / name).read_text())
     world = cfg.get("m6", {}).get("expert_parallel", 1)

@@ -53,7 +53,7 @@ DRIVEN_BY: Dict[str, str] = {
         NCCL_TESTS + "test_megatron_stage_copies_are_synced_and_summed_on_the_device",
     "megatron_patches/run.py:total_parameter_numel:all_reduce":
         PATHS + "test_the_megatron_drop_ins_delink_runs_on_the_ranks_gpu",
-    "launch/train.py:sum_over_ranks:all_reduce": PATHS + "test_the_main_jobs_loop_runs_on_the_ranks_gpu[zero1]",
+    "launch/trainer.py:sum_over_ranks:all_reduce": PATHS + "test_the_main_jobs_loop_runs_on_the_ranks_gpu[zero1]",
 }
 
 

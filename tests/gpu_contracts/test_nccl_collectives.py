@@ -15,7 +15,7 @@ from tiny_model import TinyLM, batch, offload_config  # noqa: E402
 
 import ds_pseudo_real  # noqa: E402
 from ds_pseudo_real import checkpoint as ckpt  # noqa: E402
-from launch.train import evaluate, sum_over_ranks  # noqa: E402
+from launch.trainer import evaluate, sum_over_ranks  # noqa: E402
 from megatron_patches.delink import _AdamState  # noqa: E402
 
 CUDA3 = torch.device("cuda", 3)

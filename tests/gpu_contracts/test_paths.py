@@ -74,6 +74,7 @@ def test_the_main_jobs_loop_runs_on_the_ranks_gpu(fake_world, stage, levels, tmp
     """``launch/train.py``'s ``train`` for 4 steps, delinking at step 2, evaluating at steps 2 and 4 and saving at
     the end: every loss and evaluation sum is all-reduced on cuda:3."""
     from launch import train as main_job
+    from launch import trainer
 
     rank, nccl = fake_world
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**6,
@@ -85,13 +86,13 @@ def test_the_main_jobs_loop_runs_on_the_ranks_gpu(fake_world, stage, levels, tmp
         del cfg["optimizer"]["params"]["torch_adam"]  # granular offload steps with DeepSpeed's kernels
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     summed = []
-    sum_over_ranks = main_job.sum_over_ranks
+    sum_over_ranks = trainer.sum_over_ranks
 
     def spy(values, device):
         summed.append((len(values), device))
         return sum_over_ranks(values, device)
 
-    monkeypatch.setattr(main_job, "sum_over_ranks", spy)
+    monkeypatch.setattr(trainer, "sum_over_ranks", spy)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     try:
         args = main_job.parse_args([

@@ -5,10 +5,10 @@ import os
 import signal
 import sys
 
-from launch import train
+from launch import run_report, train
 
 KILL_AT = int(os.environ["KILL_AT_STEP"])
-write_monitor = train.write_monitor
+write_monitor = run_report.write_monitor
 
 
 def write_then_die(engine, events, step, tokens_per_step):
@@ -17,5 +17,5 @@ def write_then_die(engine, events, step, tokens_per_step):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-train.write_monitor = write_then_die
+run_report.write_monitor = write_then_die
 sys.exit(train.main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""Checkpointing: when a run saves (``policy``)."""
