@@ -63,7 +63,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
 FP32 = 4
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OTHER = "other"  # name of the group holding every parameter outside the layer list
 EXPERTS = ".experts"  # suffix of a layer's MoE expert group: "layer3.experts"
 

@@ -31,6 +31,9 @@ from ds_pseudo_real.sharing import apply_sharing, delink_layers  # noqa: E402
 LETTERS = {"d": "device", "o": "host_optimizer", "p": "host_params"}
 ADAM = {"lr": 1e-2, "weight_decay": 0.01, "betas": [0.9, 0.99], "eps": 1e-8}
 STEPS = 4
+# dynamic loss scaling from 2**8, doubled after every 2 steps without overflow (the scale changes within a test),
+# halved at every overflow (hysteresis 1; DeepSpeed's default, 2, lets the first overflow pass)
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
 
 
 def ds_config(stage, dtype, clipping=None):
@@ -40,6 +43,8 @@ def ds_config(stage, dtype, clipping=None):
         config["gradient_clipping"] = clipping
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        config["fp16"] = dict(FP16)
     return config
 
 

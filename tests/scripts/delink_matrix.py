@@ -18,6 +18,7 @@ from ds_pseudo_real.sharing import source_parameter
 from ds_pseudo_real.stages import parameter_numel
 
 SWITCH = 3
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2}
 PROBE = "layers.{}.fc.weight"
 
 
@@ -32,6 +33,8 @@ def config(stage, dtype, policy, switch=SWITCH, torch_adam=True):
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":  # dynamic loss scaling from 2**8, doubled after every 2 steps without overflow
+        cfg["fp16"] = FP16
     return cfg
 
 
