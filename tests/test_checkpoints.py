@@ -184,6 +184,27 @@ def test_converted_checkpoint_carries_host_params_groups(tmp_path, dtype):
     real.engine.destroy()
 
 
+@pytest.mark.parametrize("source, target", [(1, 0), (0, 3)])
+def test_converted_fp16_checkpoint_carries_the_loss_scaler(tmp_path, source, target, cpu_fp16):
+    """fp16 with dynamic loss scaling: the converter takes the scaler's state from the checkpoint (ZeRO 1-3's
+    optimizer states, ZeRO 0's model states) and the run it is loaded into goes on with it, on another ZeRO stage (a
+    field one side's scaler does not have, ZeRO 1-3's hysteresis, keeps the target's own value)."""
+    pseudo = make(stage=source, dtype="fp16")
+    train(pseudo, SWITCH - 1)
+    saved = ds_pseudo_real.ds_state.loss_scaler_state(pseudo.engine)
+    assert saved["cur_scale"] == 2**9 and saved["cur_iter"] == SWITCH - 1  # grown once from 2**8 (window 2)
+    pseudo.save_checkpoint(str(tmp_path / "pseudo"))
+    pseudo.engine.destroy()
+    convert(str(tmp_path / "pseudo"), str(tmp_path / "real"), to_real=True)
+    real = make(stage=target, seed=9, dtype="fp16")
+    fresh = ds_pseudo_real.ds_state.loss_scaler_state(real.engine)
+    real.load_checkpoint(str(tmp_path / "real"))
+    loaded = ds_pseudo_real.ds_state.loss_scaler_state(real.engine)
+    assert loaded == {key: saved.get(key, fresh[key]) for key in fresh}
+    assert loaded["cur_scale"] != fresh["cur_scale"]
+    real.engine.destroy()
+
+
 def pseudo_lr_at(step):
     engine = make(stage=1)
     train(engine, step)

@@ -1,4 +1,5 @@
-"""The fp16 loss scaler's state: read from one engine and written into another (the delink), and compared.
+"""The fp16 loss scaler's state: read from one engine and written into another (the delink), or from a saved
+checkpoint's optimizer state (the offline conversion).
 
 Written against DeepSpeed 0.19.8: ZeRO 1/2 (``DeepSpeedZeroOptimizer``) and ZeRO 3 keep a ``loss_scaler`` (a
 ``DynamicLossScaler`` with fp16 ``loss_scale: 0``, else a static ``LossScaler``); the stage-0 mixed-precision
@@ -41,3 +42,15 @@ def set_loss_scaler_state(engine, state: Optional[Dict[str, Any]]) -> None:
     for key, value in state.items():
         if hasattr(holder, key):
             setattr(holder, key, value)
+
+
+def saved_loss_scaler_state(optimizer_state: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The scaler's state as a DeepSpeed checkpoint saved it, from one rank's optimizer state dict: ZeRO 1-3's
+    ``optimizer_state_dict`` (its ``loss_scaler`` object, the same on every rank) or the stage-0 fp16 optimizer's
+    ``optimizer`` entry of the model states (its scale fields). None without a scaler (bf16, fp32 ZeRO 0)."""
+    if not isinstance(optimizer_state, dict):
+        return None
+    scaler = optimizer_state.get("loss_scaler")
+    holder = vars(scaler) if scaler is not None else optimizer_state
+    state = {key: holder[key] for key in SCALER_STATE if key in holder}
+    return state or None
