@@ -126,5 +126,6 @@ class RunConfig:
         deepspeed = {k: v for k, v in without_plugin_keys.items() if k not in PLUGIN_SECTIONS + MAIN_JOB_SECTIONS}
         training = TrainingFacts.from_deepspeed(deepspeed, world_size if world_size is not None else
                                                 data_parallel_size(mpu))
+        training.refuse_unscaled_fp16()
         return cls(deepspeed, training, pseudo_to_real, granular_offload, checkpoint, model, data,
                    pseudo_to_real_given=SECTION in raw)

@@ -184,11 +184,10 @@ def test_converted_checkpoint_carries_host_params_groups(tmp_path, dtype):
     real.engine.destroy()
 
 
-@pytest.mark.parametrize("source, target", [(1, 0), (0, 3)])
+@pytest.mark.parametrize("source, target", [(1, 3), (3, 2)])
 def test_converted_fp16_checkpoint_carries_the_loss_scaler(tmp_path, source, target, cpu_fp16):
-    """fp16 with dynamic loss scaling: the converter takes the scaler's state from the checkpoint (ZeRO 1-3's
-    optimizer states, ZeRO 0's model states) and the run it is loaded into goes on with it, on another ZeRO stage (a
-    field one side's scaler does not have, ZeRO 1-3's hysteresis, keeps the target's own value)."""
+    """fp16 with dynamic loss scaling: the converter takes the scaler's state from the checkpoint (rank 0's ZeRO
+    optimizer states) and the run it is loaded into goes on with it, on another ZeRO stage."""
     pseudo = make(stage=source, dtype="fp16")
     train(pseudo, SWITCH - 1)
     saved = ds_pseudo_real.ds_state.loss_scaler_state(pseudo.engine)
@@ -200,8 +199,7 @@ def test_converted_fp16_checkpoint_carries_the_loss_scaler(tmp_path, source, tar
     fresh = ds_pseudo_real.ds_state.loss_scaler_state(real.engine)
     real.load_checkpoint(str(tmp_path / "real"))
     loaded = ds_pseudo_real.ds_state.loss_scaler_state(real.engine)
-    assert loaded == {key: saved.get(key, fresh[key]) for key in fresh}
-    assert loaded["cur_scale"] != fresh["cur_scale"]
+    assert loaded == saved and loaded != fresh
     real.engine.destroy()
 
 
