@@ -68,8 +68,8 @@ class TrainingFacts:
         """Refuse fp16 with loss scaling at ZeRO stage 0, which DeepSpeed 0.19.8 trains wrongly: its
         ``engine.backward`` scales the loss only for its ZeRO optimizers (``ZeROOptimizer.scale_if_loss``), while the
         stage-0 fp16 optimizers (``FP16_UnfusedOptimizer``, ``FP16_Optimizer``) divide the gradients by the loss
-        scale before the step (deepspeedai/DeepSpeed pull request 8393, open). Measured here: after
-        ``engine.backward`` the fp16 gradients are the loss's own, unscaled, and the step divides them by the scale."""
+        scale before the step (deepspeedai/DeepSpeed pull request 8393, open). Measured in tests/test_fp16.py: after
+        ``engine.backward`` at stage 0 the fp16 gradients are the loss's own, unscaled."""
         if self.dtype == "fp16" and self.zero_stage == 0 and self.loss_scale != 1:
             scaling = "dynamic loss scaling" if not self.loss_scale else f"loss_scale {self.loss_scale!r}"
             raise ConfigError(

@@ -1,5 +1,6 @@
-"""Shared test set-up: one fixed C++ extension cache, one py-cpuinfo answer per session, a single-process distributed
-environment, the PYTHONPATH of the processes tests start, helpers to run 2-rank jobs on gloo."""
+"""Shared test set-up: one fixed C++ extension cache, one py-cpuinfo answer per session, DeepSpeed's fp16 path on the
+CPU for the tests that ask for it (``cpu_fp16``, ``CPU_FP16``), a single-process distributed environment, the
+PYTHONPATH of the processes tests start, helpers to run 2-rank jobs on gloo."""
 import contextlib
 import os
 import subprocess
