@@ -9,7 +9,8 @@ ranks that hold the same experts (conservative for the dense part: 14.7M of a la
 Groups are those the offload optimizer builds for a DeepSpeed MoE model: each layer's dense part and its experts
 apart. At host_params under ZeRO 1/2 a layer's gradients are streamed off the device; under ZeRO 1/2 one layer's
 experts stay in DeepSpeed's optimizer (it needs an MoE group). V100s have no bf16: "bf16" stands for 16-bit
-weights (fp16 costs the same bytes).
+weights (fp16 costs the same bytes in the byte model; configs/m6_10t_v100.json plans it in fp16:
+benchmarks/results/m6_10t_v100_plan.txt).
 
     python benchmarks/m6_10t_plan.py           # a few seconds; writes benchmarks/results/m6_10t_plan.json
 """

@@ -24,6 +24,9 @@ class TrainingState:
     last_train_loss: Optional[float] = None
     transitions_done: int = 0  # of a progressive schedule's transitions (a plain delink: 0, then 1)
     groups: Optional[int] = None  # parameter sets of the layer list now
+    # the trigger fired at a step DeepSpeed skipped (inf or NaN gradients: an fp16 overflow): the delink waits for
+    # the next step it applies
+    delink_pending: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -1,5 +1,5 @@
 """What the delink carries from one stage's engine into the next one's: where training stands (step counts, the LR
-schedule, each param group's LR, the optimizer's step counters) and the Adam moments of each shared parameter,
+schedule, each param group's LR, the optimizer's step counters, the fp16 loss scaler) and the Adam moments of each shared parameter,
 written into its copies.
 
 Owns: reading that from the old engine before it is released and writing it into the new one. Must not build models
@@ -37,29 +37,32 @@ def copy_lrs(old: List[float], optimizer) -> None:
 
 @dataclass
 class EngineProgress:
-    """Where an engine's training stands: its step counts, its LR scheduler's state, each param group's LR and its
-    optimizer's step counters (in whatever form its class keeps them, ``ds_state.step_counters``)."""
+    """Where an engine's training stands: its step counts (skipped steps included), its LR scheduler's state, each
+    param group's LR, its optimizer's step counters (in whatever form its class keeps them, ``ds_state.step_counters``)
+    and its loss scaler's state (fp16's dynamic scale, its growth window and hysteresis; None without a scaler)."""
 
     steps: Dict[str, int]
     scheduler_state: Optional[Dict[str, Any]]
     lrs: List[float]
     counters: Dict[str, Any]
+    loss_scale: Optional[Dict[str, Any]] = None
 
     @classmethod
     def of(cls, engine) -> "EngineProgress":
         return cls(steps={key: getattr(engine, key) for key in ENGINE_STEPS},
                    scheduler_state=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
                    lrs=[group["lr"] for group in engine.optimizer.param_groups],
-                   counters=ds_state.step_counters(engine))
+                   counters=ds_state.step_counters(engine), loss_scale=ds_state.loss_scaler_state(engine))
 
     def give_to(self, engine) -> None:
-        """The step counts, the LR schedule and the LRs go on in ``engine`` (the optimizer's step counters go with
-        the moments, :func:`carry_moments`)."""
+        """The step counts, the LR schedule, the LRs and the loss scale go on in ``engine`` (the optimizer's step
+        counters go with the moments, :func:`carry_moments`)."""
         for key, value in self.steps.items():
             setattr(engine, key, value)
         if self.scheduler_state is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(self.scheduler_state)
         copy_lrs(self.lrs, engine.optimizer)
+        ds_state.set_loss_scaler_state(engine, self.loss_scale)
 
 
 def carry_moments(engine, moments: Dict[str, Dict[str, torch.Tensor]], counters: Dict[str, Any], policy: str,

@@ -306,7 +306,7 @@ class CheckpointIO:
 
     def _load_converted(self, load_dir: str, tag: str, side: Dict[str, Any]) -> Tuple[str, Dict]:
         """A checkpoint of ``ds-pseudo-real convert``: the model of its stage built from its fp32 weights, its steps,
-        LR schedule position and plugin state restored; Adam moments start at zero."""
+        LR schedule position, fp16 loss scaler and plugin state restored; Adam moments start at zero."""
         folder = os.path.join(load_dir, tag)
         weights = torch.load(os.path.join(folder, "model_fp32.pt"), map_location="cpu", weights_only=True)
         trainer = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=False)
@@ -320,6 +320,7 @@ class CheckpointIO:
         for key in ("global_steps", "global_samples", "skipped_steps"):
             setattr(engine, key, trainer[key])
         engine.micro_steps = trainer["global_steps"] * engine.gradient_accumulation_steps()
+        ds_state.set_loss_scaler_state(engine, trainer.get("loss_scale"))
         if trainer.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
             sync_lr_with_scheduler(engine.lr_scheduler, engine.optimizer)

@@ -232,9 +232,20 @@ class PseudoToRealController:
         return self.state.stage
 
     def _maybe_delink(self) -> None:
-        if self.control.should_delink and self.state.stage == PSEUDO:
-            self.control.should_delink = False
-            self.delink()
+        """Delink when a callback asked for it, after a step DeepSpeed applied. A step it skipped (inf or NaN
+        gradients: an fp16 overflow, the scale halved) left the step before's weights: the delink waits for the next
+        applied step (``state.delink_pending``, kept in checkpoints), so that the next stage starts from an update."""
+        if self.state.stage != PSEUDO or not (self.control.should_delink or self.state.delink_pending):
+            return
+        self.control.should_delink = False
+        if self.engine.global_steps and not self.engine.was_step_applied():
+            if not self.state.delink_pending:
+                log_rank0(f"step {self.engine.global_steps} was skipped (inf or NaN gradients): the delink waits for "
+                          f"the next step applied")
+            self.state.delink_pending = True
+            return
+        self.state.delink_pending = False
+        self.delink()
 
     # ---- the delink ----------------------------------------------------------------------------------------
     @property

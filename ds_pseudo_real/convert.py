@@ -4,8 +4,9 @@
 Owns: consolidating a DeepSpeed checkpoint of any ZeRO stage and rank count into full fp32 weights (DeepSpeed's own
 ``zero_to_fp32`` reader), optionally expanding a pseudo-stage one to the real model's keys, and writing a
 "converted" checkpoint that ``load_checkpoint`` accepts on any number of ranks or ZeRO stage, in the stage it holds.
-Carries the weights, the step counters, the LR schedule position and the plugin state (the stage and its trigger);
-Adam moments start at zero (the sharded optimizer layout depends on the rank count; in-process delinks carry them).
+Carries the weights, the step counters, the LR schedule position, the fp16 loss scaler and the plugin state (the stage
+and its trigger); Adam moments start at zero (the sharded optimizer layout depends on the rank count; in-process
+delinks carry them).
 """
 from __future__ import annotations
 
@@ -50,6 +51,18 @@ def consolidated_fp32_weights(folder: Path, zero_stage: int, model_states: Dict,
         state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     state.update(_offload_own_weights(folder, model_states, set(state)))
     return {k: v.float() for k, v in state.items()}
+
+
+def _saved_loss_scale(folder: Path, model_states: Dict) -> Optional[Dict]:
+    """The fp16 loss scaler's state the checkpoint holds: in rank 0's ZeRO optimizer states, or at ZeRO 0 with the
+    model states (None without a scaler)."""
+    from .ds_state import saved_loss_scaler_state
+
+    files = sorted(glob.glob(str(folder / "*optim_states.pt")))
+    if not files:
+        return saved_loss_scaler_state(model_states.get("optimizer"))
+    optimizer = torch.load(files[0], map_location="cpu", weights_only=False).get("optimizer_state_dict")
+    return saved_loss_scaler_state(optimizer)
 
 
 def _offload_own_weights(folder: Path, model_states: Dict, known: set) -> Dict[str, torch.Tensor]:
@@ -104,6 +117,7 @@ def convert(input_dir: str, output_dir: str, tag: Optional[str] = None, to_real:
         "global_samples": model_states.get("global_samples", 0),
         "skipped_steps": model_states.get("skipped_steps", 0),
         "lr_scheduler": model_states.get("lr_scheduler"),
+        "loss_scale": _saved_loss_scale(folder, model_states),
         "client_state": {CLIENT_KEY: plugin} if plugin is not None else {},
     }
     with ckpt.holding(output_dir):

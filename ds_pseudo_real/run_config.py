@@ -204,5 +204,6 @@ class RunConfig:
         deepspeed = {k: v for k, v in without_plugin_keys.items() if k not in ignored}
         training = TrainingFacts.from_deepspeed(deepspeed, world_size if world_size is not None else
                                                 data_parallel_size(mpu))
+        training.refuse_unscaled_fp16()
         return cls(deepspeed, training, pseudo_to_real, granular_offload, checkpoint, model, data,
                    pseudo_to_real_given=SECTION in raw)

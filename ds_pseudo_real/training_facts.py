@@ -1,8 +1,9 @@
 """What DeepSpeed's own sections decide about the run, read once with DeepSpeed 0.19.8's rules.
 
 Owns: ``TrainingFacts`` (ZeRO stage, working dtype, data-parallel size, DeepSpeed's own offloads, model-parallel
-sizes, micro batch and gradient accumulation) from a DeepSpeed config dict. Must not validate what DeepSpeed
-validates itself, nor read the plugin's sections.
+sizes, micro batch and gradient accumulation, fp16's loss scale) from a DeepSpeed config dict, and the refusal of
+what DeepSpeed accepts but trains wrongly. Must not validate what DeepSpeed validates itself, nor read the plugin's
+sections.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class TrainingFacts:
     # as given: granular offload's planner reads DeepSpeed's gradient bucket keys from it (offload.config)
     zero_optimization: Mapping[str, Any] = field(default_factory=dict)
     batch: Mapping[str, Any] = field(default_factory=dict)  # the given ones of BATCH_KEYS
+    loss_scale: float = 0.0  # fp16.loss_scale as given: 0 is dynamic loss scaling (DeepSpeed's default)
 
     @classmethod
     def from_deepspeed(cls, ds_config: Mapping[str, Any], data_parallel_size: int) -> "TrainingFacts":
@@ -59,7 +61,24 @@ class TrainingFacts:
             sequence_parallel_size=ds_config.get("sequence_parallel_size", 1),
             zero_optimization=_read_only(zero),
             batch=_read_only({key: ds_config[key] for key in BATCH_KEYS if ds_config.get(key) is not None}),
+            loss_scale=(ds_config.get("fp16") or {}).get("loss_scale", 0.0),
         )
+
+    def refuse_unscaled_fp16(self) -> None:
+        """Refuse fp16 with loss scaling at ZeRO stage 0, which DeepSpeed 0.19.8 trains wrongly: its
+        ``engine.backward`` scales the loss only for its ZeRO optimizers (``ZeROOptimizer.scale_if_loss``), while the
+        stage-0 fp16 optimizers (``FP16_UnfusedOptimizer``, ``FP16_Optimizer``) divide the gradients by the loss
+        scale before the step (deepspeedai/DeepSpeed pull request 8393, open). Measured in tests/test_fp16.py: after
+        ``engine.backward`` at stage 0 the fp16 gradients are the loss's own, unscaled."""
+        if self.dtype == "fp16" and self.zero_stage == 0 and self.loss_scale != 1:
+            scaling = "dynamic loss scaling" if not self.loss_scale else f"loss_scale {self.loss_scale!r}"
+            raise ConfigError(
+                f"invalid config:\n  zero_optimization.stage: got 0 with fp16.enabled and {scaling}; DeepSpeed 0.19.8 "
+                f"does not scale the loss at stage 0 (engine.backward scales it for its ZeRO optimizers only) but "
+                f"divides the gradients by the loss scale there (deepspeedai/DeepSpeed#8393): every update would be "
+                f"the scale times too small and fp16 gradients unprotected from underflow; accepted: "
+                f"zero_optimization.stage 1, 2 or 3 with fp16 (stage 1 on one rank keeps what stage 0 keeps), bf16 "
+                f"or fp32 at stage 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,6 +1,7 @@
 """Shared test set-up: one fixed C++ extension cache (DeepSpeed's ops built once, for the modules that need them),
-one py-cpuinfo answer per session, a single-process distributed environment, the PYTHONPATH of the processes tests
-start, helpers to run 2-rank jobs on gloo."""
+one py-cpuinfo answer per session, DeepSpeed's fp16 path on the CPU for the tests that ask for it (``cpu_fp16``,
+``CPU_FP16``), a single-process distributed environment, the PYTHONPATH of the processes tests start, helpers to run
+2-rank jobs on gloo."""
 import contextlib
 import os
 import subprocess
@@ -21,6 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # in the pytest processes and, through tests/site's sitecustomize on their PYTHONPATH, in every process they start.
 SITE = Path(__file__).resolve().parent / "site"
 sys.path.insert(0, str(SITE))
+import cpu_fp16 as _cpu_fp16  # noqa: E402
 import cpuinfo_cache  # noqa: E402
 
 if cpuinfo_cache.CACHE_ENV not in os.environ:  # the first pytest process of the session: its workers inherit it
@@ -84,6 +86,30 @@ def single_process_dist_env():
 
     if dist.is_available() and dist.is_initialized():  # not left to the interpreter's teardown, where gloo can abort
         dist.destroy_process_group()
+
+
+# The environment that makes DeepSpeed's CPU accelerator report fp16 support in a process a test starts
+# (tests/site/cpu_fp16.py says what that runs and what it skips): give it to ``run_two_ranks(env_extra=...)``.
+CPU_FP16 = {_cpu_fp16.ENV: "1"}
+
+
+@contextlib.contextmanager
+def fp16_on_cpu():
+    """DeepSpeed's fp16 path on the CPU in this process and the processes it starts, until the block ends (for a
+    module fixture; tests take the ``cpu_fp16`` fixture)."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(_cpu_fp16.ENV, "1")
+        patch.setattr(CPU_Accelerator, "is_fp16_supported", lambda self: True)
+        yield
+
+
+@pytest.fixture
+def cpu_fp16():
+    """DeepSpeed's fp16 path on the CPU for this test and the processes it starts (tests/site/cpu_fp16.py)."""
+    with fp16_on_cpu():
+        yield
 
 
 def pytest_configure(config):

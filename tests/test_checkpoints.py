@@ -184,6 +184,25 @@ def test_converted_checkpoint_carries_host_params_groups(tmp_path, dtype):
     real.engine.destroy()
 
 
+@pytest.mark.parametrize("source, target", [(1, 3), (3, 2)])
+def test_converted_fp16_checkpoint_carries_the_loss_scaler(tmp_path, source, target, cpu_fp16):
+    """fp16 with dynamic loss scaling: the converter takes the scaler's state from the checkpoint (rank 0's ZeRO
+    optimizer states) and the run it is loaded into goes on with it, on another ZeRO stage."""
+    pseudo = make(stage=source, dtype="fp16")
+    train(pseudo, SWITCH - 1)
+    saved = ds_pseudo_real.ds_state.loss_scaler_state(pseudo.engine)
+    assert saved["cur_scale"] == 2**9 and saved["cur_iter"] == SWITCH - 1  # grown once from 2**8 (window 2)
+    pseudo.save_checkpoint(str(tmp_path / "pseudo"))
+    pseudo.engine.destroy()
+    convert(str(tmp_path / "pseudo"), str(tmp_path / "real"), to_real=True)
+    real = make(stage=target, seed=9, dtype="fp16")
+    fresh = ds_pseudo_real.ds_state.loss_scaler_state(real.engine)
+    real.load_checkpoint(str(tmp_path / "real"))
+    loaded = ds_pseudo_real.ds_state.loss_scaler_state(real.engine)
+    assert loaded == saved and loaded != fresh
+    real.engine.destroy()
+
+
 def pseudo_lr_at(step):
     engine = make(stage=1)
     train(engine, step)

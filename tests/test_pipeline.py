@@ -1,6 +1,7 @@
 """DeepSpeed's pipeline engine: ds_pseudo_real.initialize takes a PipelineModule, ties its layers per sharing group
 with DeepSpeed's TiedLayerSpec, delinks them into untied layers with the weights and Adam moments carried (loss on a
-fixed batch bit-identical across the switch, fp32), and resumes from its per-layer checkpoint files in either stage;
+fixed batch bit-identical across the switch, fp32; fp16's loss scaler too), and resumes from its per-layer checkpoint
+files in either stage;
 on 2 stages (2 ranks) and on 2 stages x 2 data-parallel ranks (4 ranks), every case of a layout in one launch. On 2
 stages, with granular offload too: each stage plans its own layers (a tied set as one layer), the real stage is
 planned again at the delink, and the losses are those without offload, bit for bit."""
@@ -14,7 +15,7 @@ import pytest
 import ds_pseudo_real
 from ds_pseudo_real.config import ConfigError
 from ds_pseudo_real.pipeline import TIE_KEY, layer_indices, mapped_name, stage_specs
-from conftest import run_two_ranks
+from conftest import CPU_FP16, run_two_ranks
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import pipeline_delink  # noqa: E402
@@ -37,7 +38,8 @@ def _case(result):
 def test_pipeline_delink_and_resume(ranks, tmp_path):
     offload = ranks == 2  # the offloaded cases on 2 stages only: the 4-rank launch stays short
     cases = pipeline_delink.CASES + (pipeline_delink.OFFLOAD_CASES if offload else [])
-    proc = run_two_ranks(SCRIPT, str(tmp_path), *(["offload"] if offload else []), ranks=ranks, timeout=900)
+    proc = run_two_ranks(SCRIPT, str(tmp_path), *(["offload"] if offload else []), ranks=ranks, timeout=900,
+                         env_extra=CPU_FP16)
     results = _results(proc, ranks, cases)
     for result in results:
         pipeline_delink.check(result)

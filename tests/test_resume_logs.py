@@ -2,7 +2,8 @@
 monitors and the main job's metrics.jsonl hold every step once, with the same values, one header per CSV file; what
 the interrupted runs had logged after their checkpoint is kept aside in ``*.discarded`` files; one TensorBoard event
 file per run, none left empty. On 1 and 2 ranks, killed (SIGKILL, every rank) in the pseudo stage after the delink it
-resumes before, and in the real stage."""
+resumes before, and in the real stage; on 1 rank in fp16 too, where DeepSpeed's monitors log the dynamic loss scale
+of every step: the resumed run's is the uninterrupted run's, across the delink and both kills."""
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, free_port, python_path
+from conftest import CPU_FP16, REPO, free_port, python_path
 
 STEPS, SWITCH, SAVE_INTERVAL = 12, 6, 4
 KILLS = (7, 10)  # past the save at 4 and the delink at 6 (resumed in the pseudo stage); past the save at 8 (real)
@@ -20,8 +21,14 @@ RUN = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "32", 
        "--eval-interval", "4", "--eval-batches", "2", "--log-interval", "4", "--save-interval", str(SAVE_INTERVAL)]
 
 
-def monitored_config(tmp_path):
+# dynamic loss scaling from 2**8, doubled after every 2 steps without overflow: the scale changes all along
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2}
+
+
+def monitored_config(tmp_path, dtype="fp32"):
     cfg = json.loads((REPO / "configs" / "tiny_cpu.json").read_text())
+    if dtype == "fp16":
+        cfg["fp16"] = FP16
     cfg["train_micro_batch_size_per_gpu"] = 4
     cfg["scheduler"]["params"].update(total_num_steps=STEPS, warmup_num_steps=2)
     cfg["pseudo_to_real"]["switch"] = {"at_step": SWITCH}
@@ -35,7 +42,7 @@ def monitored_config(tmp_path):
 def launch(ranks, config, out, kill_at=None):
     """The main job on ``ranks`` ranks (torchrun for 2); with ``kill_at``, every rank killed after that step."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(PYTHONPATH=python_path(), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=python_path(), OMP_NUM_THREADS="1", **CPU_FP16)
     script = REPO / "launch" / "train.py"
     if kill_at is not None:
         script = REPO / "tests" / "scripts" / "kill_at_step.py"
@@ -52,11 +59,12 @@ def launch(ranks, config, out, kill_at=None):
     return proc.stdout
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1-rank", "2-ranks"])
+@pytest.fixture(scope="module", params=[(1, "fp32"), (2, "fp32"), (1, "fp16")],
+                ids=["1-rank", "2-ranks", "1-rank-fp16"])
 def runs(request, tmp_path_factory):
-    """(uninterrupted run folder, killed-twice-and-resumed run folder) on 1 or 2 ranks."""
-    ranks, tmp = request.param, tmp_path_factory.mktemp(f"resume{request.param}")
-    config = monitored_config(tmp)
+    """(uninterrupted run folder, killed-twice-and-resumed run folder) on 1 or 2 ranks, fp32 or fp16."""
+    (ranks, dtype), tmp = request.param, tmp_path_factory.mktemp(f"resume{request.param[0]}")
+    config = monitored_config(tmp, dtype)
     whole, cut = tmp / "whole", tmp / "cut"
     launch(ranks, config, whole)
     for kill_at in KILLS:
@@ -71,9 +79,12 @@ def csv_files(run):
     return {path.name: path.read_text().splitlines() for path in (run / "csv_monitor" / "job").glob("*.csv")}
 
 
-def test_csv_monitor_files_equal_the_uninterrupted_runs(runs):
+def test_csv_monitor_files_equal_the_uninterrupted_runs(runs, request):
     whole, cut = (csv_files(run) for run in runs)
     assert sorted(cut) == sorted(whole) and "Train_Samples_lr.csv" in whole  # DeepSpeed's own event too
+    if request.node.callspec.id.endswith("fp16"):  # the loss scale of every step, grown across the delink
+        scales = [float(line.split(",")[1]) for line in whole["Train_Samples_loss_scale.csv"][1:]]
+        assert len(scales) == STEPS and scales[SWITCH] > scales[SWITCH - 2] and scales[-1] > scales[SWITCH], scales
     for name, lines in whole.items():
         if WALL_TIME in name:
             lines, cut[name] = ([line.split(",")[0] for line in rows] for rows in (lines, cut[name]))

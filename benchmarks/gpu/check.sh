@@ -8,11 +8,12 @@
 #     exactness and byte accounting of a small model on the device (CUDA streams, pinned host buffers): the granular
 #     losses must equal the no-offload losses and the bytes the plan's prediction; at host_optimizer, at host_params
 #     under ZeRO 2, and at host_params with activation checkpointing, gradient accumulation 2 and a skipped step, in
-#     fp32 and bf16; on CUDA the planner's pinned host pages, torch's pinned cache emptied and the side-stream pool,
+#     fp32 and bf16, and on CUDA in fp16 (dynamic loss scaling); on CUDA the planner's pinned host pages, torch's pinned cache emptied and the side-stream pool,
 #     measured (benchmarks/gpu/byte_model.py); then step time and peak device memory (the granular one against the
 #     plan) of no offload, ZeRO-2 + full offload_optimizer, ZeRO-3 + ratio and the granular plan for a 1.2B-parameter
 #     GPT in bf16 under a 12 GB budget (all resident it needs 18 GiB), each arm's step time over granular's;
-#   delink (part 3): tests/scripts/delink_matrix.py --check --poison-unfilled: ZeRO 0-3, fp32 and bf16, the real
+#   delink (part 3): tests/scripts/delink_matrix.py --check --poison-unfilled: ZeRO 0-3, fp32 and bf16, and ZeRO 1-3
+#     in fp16 where the accelerator has it (the loss scaler carried, its scale DeepSpeed's own step by step), the real
 #     model built where the engine trains and the pseudo state gathered on the host, every element of the moments
 #     written (the memory left unfilled is NaN), the device's peak bytes during the delink and after it; on CUDA the
 #     delink of a 1.0B GPT against one copy of its parameters (benchmarks/overhead.py), and DeepSpeed's ZeRO-3 NVMe
@@ -31,13 +32,13 @@
 # 10-minute call less a minute for the machine's own probes). The caps of the steps that run add up to at most 540 s
 # with the default parts (offload,delink) on CUDA:
 #   install 60 + build_cpu_adam 75 + exactness 30 + host_params 30 + host_params_ckpt_ga2_skip 30
-#   + host_params_ckpt_ga2_skip_bf16 30 + byte_model 15 + delink_on_device 75 + timing 105 + delink_time 60
-#   + nvme_offload 30 = 540
+#   + host_params_ckpt_ga2_skip_bf16 30 + host_params_ckpt_ga2_skip_fp16 30 + byte_model 15 + delink_on_device 75
+#   + timing 90 + delink_time 45 + nvme_offload 30 = 540
 # with CHECK_PARTS=convergence: install 60 + build_cpu_adam 75 + convergence 405 = 540; with CHECK_PARTS=layouts:
 # install 60 + build_cpu_adam 75 + layouts 300 = 435. The correctness steps run first, the timings last: a step over
 # its cap is killed and reported, and the steps after it keep their time. The script prints the sum for the parts
-# asked before it starts. Without CUDA only the offload exactness steps and the
-# delink matrix run.
+# asked before it starts. Without CUDA only the offload exactness steps (not the fp16 one: DeepSpeed's CPU accelerator
+# refuses fp16) and the delink matrix (its fp16 cases skipped, saying so) run.
 # CHECK_SIZE=dry (benchmarks/gpu/dry_run.sh, CI): the same steps on smaller models, on the CPU; CHECK_CAP_FACTOR
 # multiplies every cap and the default budget (the dry run on 2 CPU cores, where CPU Adam alone builds in minutes).
 # Usage: bash benchmarks/gpu/check.sh [BUNDLE_DIR, default .whl]
@@ -61,8 +62,9 @@ dry=0
 [ "${CHECK_SIZE:-full}" = dry ] && dry=1
 
 declare -A CAP=([install]=60 [build_cpu_adam]=75 [exactness]=30 [host_params]=30 [host_params_ckpt_ga2_skip]=30
-                [host_params_ckpt_ga2_skip_bf16]=30 [byte_model]=15 [delink_on_device]=75 [timing]=105
-                [delink_time]=60 [nvme_offload]=30 [convergence]=405 [layouts]=300)
+                [host_params_ckpt_ga2_skip_bf16]=30 [host_params_ckpt_ga2_skip_fp16]=30 [byte_model]=15
+                [delink_on_device]=75 [timing]=90 [delink_time]=45 [nvme_offload]=30 [convergence]=405
+                [layouts]=300)
 FACTOR=${CHECK_CAP_FACTOR:-1}  # a slower machine: every cap and the default budget times this
 for name in "${!CAP[@]}"; do CAP[$name]=$((CAP[$name] * FACTOR)); done
 PARTS=",${CHECK_PARTS:-offload,delink},"
@@ -70,7 +72,7 @@ want() { [[ "$PARTS" == *",$1,"* ]]; }  # want PART: whether CHECK_PARTS names i
 steps=(install build_cpu_adam)
 if want offload; then
   steps+=(exactness host_params host_params_ckpt_ga2_skip host_params_ckpt_ga2_skip_bf16)
-  [ "$cuda" = 1 ] && steps+=(byte_model)
+  [ "$cuda" = 1 ] && steps+=(host_params_ckpt_ga2_skip_fp16 byte_model)
 fi
 want delink && steps+=(delink_on_device)
 [ "$cuda" = 1 ] && want offload && steps+=(timing)
@@ -148,18 +150,23 @@ if want offload; then
   step host_params "$PY" benchmarks/offload.py "${host_params[@]}" --out "$OUT/offload_host_params.json"
   # the paths a real run takes, at host_params: each layer recomputed in backward (the recompute fetches the layer
   # again), 2 micro-batches per step, and an inf gradient at step 3 that DeepSpeed and the offload groups must skip;
-  # in fp32 (non-reentrant checkpointing) and bf16 (reentrant)
+  # in fp32 (non-reentrant checkpointing), bf16 (reentrant) and, on CUDA, fp16 with dynamic loss scaling (the inf
+  # skipped by every arm with the scale halved; DeepSpeed's CPU accelerator refuses fp16)
   real_run=(--gradient-accumulation 2 --skip-step 3 --steps 4)
   [ "$dry" = 1 ] && real_run=(--gradient-accumulation 2 --skip-step 2 --steps 3)
   step host_params_ckpt_ga2_skip "$PY" benchmarks/offload.py "${host_params[@]}" "${real_run[@]}" \
     --checkpoint-activations non-reentrant --out "$OUT/offload_host_params_ckpt_ga2_skip.json"
   step host_params_ckpt_ga2_skip_bf16 "$PY" benchmarks/offload.py "${host_params[@]}" "${real_run[@]}" --bf16 \
     --checkpoint-activations reentrant --out "$OUT/offload_host_params_ckpt_ga2_skip_bf16.json"
+  [ "$cuda" = 1 ] && step host_params_ckpt_ga2_skip_fp16 "$PY" benchmarks/offload.py "${host_params[@]}" \
+    "${real_run[@]}" --fp16 --checkpoint-activations non-reentrant \
+    --out "$OUT/offload_host_params_ckpt_ga2_skip_fp16.json"
   [ "$cuda" = 1 ] && step byte_model "$PY" benchmarks/gpu/byte_model.py --out "$OUT/byte_model.json"
 fi
 if want delink; then
   # the delink building the real model on the device it trains on: every ZeRO stage and dtype on one rank, the loss
-  # across it, the fp32 masters and moments carried, the parameters' device, the gathered state on the host
+  # across it, the fp32 masters and moments carried (fp16: the loss scaler too), the parameters' device, the gathered
+  # state on the host
   matrix=(--check --poison-unfilled)
   [ "$dry" = 1 ] && matrix+=(--stages 1)
   step delink_on_device "$PY" -m torch.distributed.run --nproc_per_node 1 tests/scripts/delink_matrix.py "${matrix[@]}"

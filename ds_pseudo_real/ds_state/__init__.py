@@ -5,6 +5,7 @@
     layout                where an engine keeps its torch optimizer, each parameter's fp32 master and its state
     zero3                 ZeRO-3's flat sub-groups: a parameter's partition in them, the sub-groups swapped to NVMe
     moments               Adam's moments and step counters read, seeded and written; the CPU Adam kernel replay
+    loss_scale            the fp16 loss scaler's state read and written, from an engine or a saved checkpoint
     weights               full fp32 weights read and written; the whole model's weights and moments gathered
     nvme_checkpoint       the optimizer state a ZeRO-3 checkpoint holds on NVMe, restored after a load and converted
     checkpoint_integrity  checkpoint files checksummed as DeepSpeed writes them (or snapshotted for a writer
@@ -34,6 +35,7 @@ from .moments import (
     MOMENT_KEYS, UnwrittenMoments, full_moments, replay_cpu_adam_steps, replay_kernel_steps, seed_optimizer_state,
     set_full_moments_of_copies, step_counters, unfilled, write_swapped_moments,
 )
+from .loss_scale import loss_scaler_state, saved_loss_scaler_state, set_loss_scaler_state
 from .weights import full_fp32_param, gather_full_state, set_full_fp32_params
 from .nvme_checkpoint import (
     regather_persistent_parameters, restore_swapped_optimizer_state, swapped_state_files,

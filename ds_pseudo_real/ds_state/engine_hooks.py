@@ -20,23 +20,30 @@ def include_in_gradient_norm(engine, extra_norm: Callable[[bool], torch.Tensor])
     DeepSpeed 0.19.8: ZeRO 1/2 combine their group norms in ``scaled_global_norm()`` before clipping; the bf16
     optimizer takes the norm of the tensors ``get_grads_for_norm()`` lists, so a one-element tensor holding the
     extra norm adds its square (it sums the squares over the model-parallel group itself: this rank's part is
-    given); the stage-0 unfused optimizer (bf16 with a client optimizer) passes its norm to
+    given); the stage-0 unfused optimizer (bf16 or fp16 with a client optimizer) passes its norm to
     ``unscale_and_clip_grads``, after deciding on overflow (its ``overflow_checker``, which an inf or NaN extra norm
-    trips too). All keep the result in ``_global_grad_norm`` and skip the step for an inf or NaN extra norm as they
-    do for their own (bf16 ZeRO 1/2: when ``bf16.check_grad_overflow``). The returned callable gives
-    ``(norm, loss_scale)``: the unfused optimizer scales the loss (dynamic loss scaling, kept for bf16 too), and
-    its norm and the gradients it leaves are both scaled; ZeRO 1/2 and the bf16 optimizer report scale 1.
+    trips too). All skip the step for an inf or NaN extra norm as they do for their own (ZeRO 1/2 in bf16: when
+    ``bf16.check_grad_overflow``; in fp16 and fp32 always), on every rank alike: the norm is the same on all of them.
+
+    The returned callable gives ``(norm, loss_scale)`` as the optimizer unscales and clips its own gradients with
+    them: the norm of the loss-scaled gradients and the loss scale it divides by. In fp16 the gradients are those of
+    the scaled loss; ZeRO 1/2 divide them by the scale as it is after ``_update_scale`` (which doubles it at the end
+    of a growth window: that step's gradients are divided by the new scale), and so does the unfused optimizer; the
+    bf16 optimizer reports scale 1. ZeRO 1/2 keep the unscaled norm in ``_global_grad_norm``, so the scaled one is
+    taken here.
     """
     optimizer = engine.optimizer
     if hasattr(optimizer, "scaled_global_norm"):
         original = optimizer.scaled_global_norm
+        scaled = {}
 
         def scaled_global_norm(norm_type=2):
             norm = original(norm_type)
-            return combine_grad_norm_groups([norm, extra_norm(True).to(norm.device)], norm_type=norm_type)
+            scaled["norm"] = combine_grad_norm_groups([norm, extra_norm(True).to(norm.device)], norm_type=norm_type)
+            return scaled["norm"]
 
         optimizer.scaled_global_norm = scaled_global_norm
-        return lambda: (optimizer._global_grad_norm, optimizer.loss_scale)
+        return lambda: (scaled.get("norm"), optimizer.loss_scale)
     if hasattr(optimizer, "get_grads_for_norm") and hasattr(optimizer, "bf16_groups"):
         original = optimizer.get_grads_for_norm
 
@@ -51,7 +58,7 @@ def include_in_gradient_norm(engine, extra_norm: Callable[[bool], torch.Tensor])
         optimizer.get_grads_for_norm = get_grads_for_norm
         return lambda: (optimizer._global_grad_norm, 1.0)
     if hasattr(optimizer, "unscale_and_clip_grads") and hasattr(optimizer, "fp32_groups"):
-        # stage-0 unfused optimizer (bf16 with a client optimizer): it decides on overflow (``overflow_checker``)
+        # stage-0 unfused optimizer (bf16 or fp16 with a client optimizer): it decides on overflow (``overflow_checker``)
         # before it takes the norm, so the extra norm, taken once per step, joins that decision first
         checker, original_check = optimizer.overflow_checker, optimizer.overflow_checker.check
         original = optimizer.unscale_and_clip_grads
@@ -105,7 +112,7 @@ def before_gradient_reduction(engine, prepare: Callable[[], None]) -> None:
 
 def steps_when_built(engine) -> bool:
     """True when the engine's optimizer stepped its client optimizer once with zero gradients while it was built
-    (DeepSpeed 0.19.8's stage-0 unfused optimizer: ``initialize_optimizer_states``)."""
+    (DeepSpeed 0.19.8's stage-0 unfused optimizer, bf16 or fp16: ``initialize_optimizer_states``)."""
     optimizer = engine.optimizer
     return hasattr(optimizer, "initialize_optimizer_states") and hasattr(optimizer, "fp32_groups") \
         and not hasattr(optimizer, "bf16_groups")

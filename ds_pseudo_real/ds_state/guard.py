@@ -19,20 +19,20 @@ SUPPORTED_VERSIONS = {"deepspeed": ("0.19.0", "0.20.0"), "torch": ("2.4.0", "2.1
 OPTIMIZER_AS_GIVEN = "the torch optimizer as given"  # ZeRO 0 in fp32: the engine steps the optimizer it was given
 _FLAT_FRAGMENTS = ("_lazy_init_hp_params_optimizer_state", "_hp_optimizer_states_linked", "parameters._hp_mapping")
 DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
-    # full weights and moments read and written at a transition, the byte report, the counters; used by weights,
-    # moments, layout, zero3, nvme_checkpoint (a load under NVMe), accounting, process_groups and
-    # ds_pseudo_real.controller (the counters, the monitor, destroy)
+    # full weights and moments read and written at a transition, the byte report, the counters, the loss scaler;
+    # used by weights, moments, layout, zero3, loss_scale, nvme_checkpoint (a load under NVMe), accounting,
+    # process_groups and ds_pseudo_real.controller (the counters, whether a step was applied, the monitor, destroy)
     "pseudo_to_real": {
         "DeepSpeedEngine": ("global_steps", "global_samples", "micro_steps", "skipped_steps", "monitor",
-                            "get_data_types", "destroy",
+                            "get_data_types", "destroy", "was_step_applied",
                             "_get_zero_ckpt_name", "use_node_local_storage", "local_rank", "global_rank"),
         "deepspeed.utils.groups": ("_get_expert_data_parallel_group",),  # the report's parameters over all ranks
         "FusedAdam": ("multi_tensor_adam", "_dummy_overflow_buf", "adam_w_mode"),  # its CPU kernel replayed
         "engine.optimizer": {
-            "DeepSpeedZeroOptimizer": _FLAT_FRAGMENTS,
+            "DeepSpeedZeroOptimizer": _FLAT_FRAGMENTS + ("loss_scaler.cur_scale",),
             "BF16_Optimizer": _FLAT_FRAGMENTS,
             "DeepSpeedZeroOptimizer_Stage3": ("fp32_partitioned_groups_flat", "sub_group_to_group_id",
-                                              "grad_position", "get_param_id", "swap_optimizer",
+                                              "loss_scaler.cur_scale", "grad_position", "get_param_id", "swap_optimizer",
                                               "_swappable_optimizer_subgroup",  # NVMe: one sub-group at a time
                                               "_optimizer_states_and_gradient_swap_in",
                                               "_optimizer_states_and_gradient_swap_out", "_release_swap_buffers",
@@ -42,7 +42,7 @@ DEEPSPEED_INTERNALS: Dict[str, Dict[str, Any]] = {
                                               "_reassign_or_swap_out_partitioned_parameters",
                                               "checkpoint_event_prologue", "checkpoint_event_epilogue",
                                               "parameters.ds_id", "parameters.ds_tensor", "parameters.ds_numel"),
-            "FP16_UnfusedOptimizer": ("fp16_groups", "fp32_groups"),
+            "FP16_UnfusedOptimizer": ("fp16_groups", "fp32_groups", "loss_scale_config.cur_scale"),
             OPTIMIZER_AS_GIVEN: (),
         },
     },

@@ -162,8 +162,7 @@ def training_setup(section: GranularOffloadConfig, training: TrainingFacts, num_
         key, value = next(iter(training.deepspeed_offloads.items()))
         raise ConfigError(f"invalid config:\n  zero_optimization.{key}: got {value!r}, but {SECTION} places "
                           f"optimizer state and parameters itself; accepted: absent or {{\"device\": \"none\"}}")
-    if training.dtype == "fp16":
-        raise ConfigError(f"invalid config:\n  fp16.enabled: got True; {SECTION} supports fp32 and bf16.enabled")
+    training.refuse_unscaled_fp16()
     dtype, stage, zero = training.dtype, training.zero_stage, training.zero_optimization
     if section.activations is not None:
         a = section.activations

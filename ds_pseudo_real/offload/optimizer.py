@@ -182,7 +182,8 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
             self._device_adam.step()
 
     def _gradient_factor(self) -> float:
-        """The factor DeepSpeed applied to its own gradients this step: 1 / (loss scale x clipping)."""
+        """The factor DeepSpeed applied to its own gradients this step: 1 / (loss scale x clipping), with the norm of
+        the loss-scaled gradients and the scale it divided them by (``ds_state.include_in_gradient_norm``)."""
         norm, scale = self.global_grad_norm()
         combined = float(scale)
         if self.clip_grad > 0.0:

@@ -5,12 +5,13 @@ choosing a level per group that fits a device-memory budget while moving the few
 Must not import torch, DeepSpeed or Megatron: the CLI plans M6-10T-sized models from a config without building them.
 
 Byte model (per rank, written against DeepSpeed 0.19.8 ``stage_1_and_2.py`` / ``bf16_optimizer.py``):
-  n = the group's parameter elements; w = working dtype bytes (4 fp32, 2 bf16); D = data-parallel size;
+  n = the group's parameter elements; w = working dtype bytes (4 fp32, 2 bf16 or fp16: fp16 keeps what bf16 keeps,
+      its loss scaler's overflow check reduces each gradient to two scalars); D = data-parallel size;
   m = the optimizer's partition of the group: n under ZeRO 0 (in fp32 the optimizer steps the model's params; in
       bf16 DeepSpeed's stage-0 unfused optimizer keeps a full fp32 copy of each), else ceil(n / 2D) * 2 (DeepSpeed
       pads each flat group to a multiple of 2 * D, then splits it D ways).
   DeepSpeed-owned, every level: working params n*w (on the host for HOST_PARAMS), gradients n*w (m*w under ZeRO 2),
-      and under ZeRO >= 1 or bf16 its own fp32 partition 4*m on the device.
+      and under ZeRO >= 1 or in 16 bits its own fp32 partition 4*m on the device.
   Optimizer-owned (what GranularOffloadOptimizer holds): Adam moments 8*m, on the device for DEVICE; for the host
       levels the moments, a host fp32 master 4*m and a host gradient buffer 4*m on the host (for HOST_PARAMS in
       fp32 ZeRO 0 the host params are that master, so they are not counted twice).
@@ -19,7 +20,7 @@ Byte model (per rank, written against DeepSpeed 0.19.8 ``stage_1_and_2.py`` / ``
       twice per micro-batch (forward and backward fetch) 2*GA*n*w per layer using them, with a device buffer for
       two layers' params (the fetched one and the prefetched next), and gradient D2H 4*n, GA times where they are
       streamed (ZeRO 1/2 outside DeepSpeed, below), else once (accumulated on the device until the step).
-  HOST_PARAMS where DeepSpeed keeps its own copies (ZeRO 1/2, bf16): the group is left out of DeepSpeed's
+  HOST_PARAMS where DeepSpeed keeps its own copies (ZeRO 1/2, bf16, fp16): the group is left out of DeepSpeed's
       optimizer (its flat buffers would pin the params to the device). Under ZeRO 1/2 the offload optimizer reduces
       its gradients itself, streaming each to the host as soon as it is accumulated: nothing of it stays on the
       device but the prefetch buffer and the gradients of one layer in flight; later micro-batches add theirs
@@ -63,7 +64,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
 FP32 = 4
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OTHER = "other"  # name of the group holding every parameter outside the layer list
 EXPERTS = ".experts"  # suffix of a layer's MoE expert group: "layer3.experts"
 
@@ -174,7 +175,7 @@ class TrainingSetup:
 
     @property
     def has_separate_master(self) -> bool:
-        """DeepSpeed keeps its own flat fp32 partition (ZeRO 1/2, or the bf16 optimizer at stage 0)."""
+        """DeepSpeed keeps its own flat fp32 partition (ZeRO 1/2, or the 16-bit optimizer at stage 0)."""
         return self.zero_stage >= 1 or self.dtype != "fp32"
 
     @property

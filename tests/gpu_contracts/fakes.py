@@ -367,6 +367,13 @@ def _allowed_on_host(func, name: str, args, written: List[torch.Tensor]) -> List
     return allowed
 
 
+def _casting_a_gradient_back() -> bool:
+    """Inside the backward of a dtype or device cast (``ToCopyBackward0``), which calls ``aten::_to_copy`` with the
+    forward input's options."""
+    node = torch._C._current_autograd_node()
+    return node is not None and node.name().startswith("ToCopyBackward")
+
+
 class _Mode(TorchDispatchMode):
     """Runs every op on the CPU with the devices replaced, checks that an op does not mix devices and that it reads
     and writes nothing another stream (or the host) may still be writing, logs its work and tags the storages it
@@ -382,6 +389,10 @@ class _Mode(TorchDispatchMode):
         target = None
         if kwargs.get("device") is not None:
             target = self.rank.resolve(kwargs["device"])
+            if target.type == "cpu" and name == "aten::_to_copy" and _casting_a_gradient_back():
+                # autograd casts a gradient back with the forward input's own options, whose device is the host
+                # here (a fake GPU tensor is a CPU tensor); on CUDA it is the GPU the gradient is on
+                target = fake_device(args[0])
             if target.type == "cuda":  # made on the CPU and tagged; the CPU and meta are what they are
                 kwargs["device"] = CPU
         pinned = bool(kwargs.get("pin_memory"))
@@ -629,6 +640,7 @@ class FakeGpuRank:
             self.ordered(what, [tensor], [], None)
             return
         self.ordered(what, [tensor], [], device)
+        self.log(what, device, True)  # the copy to the host is work of the stream, which the host then waits for
         stream = self.current_stream(device)
         _merge_waits(self.host.waited, stream, stream.count, stream.waited)
 

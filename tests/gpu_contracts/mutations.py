@@ -66,7 +66,7 @@ MUTATIONS = {
         "                pass", CONTRACTS),
     "gradient copies' event recorded on the compute stream": (
         "ds_pseudo_real/offload/host_adam.py", "                batch.copied.record(self.to_host_stream)",
-        "                batch.copied.record(torch.cuda.current_stream(self.device))", CONTRACTS),
+        "                batch.copied.record(torch.cuda.default_stream(self.device))", CONTRACTS),
     "masters copied back without the compute stream waiting": (
         "ds_pseudo_real/offload/host_adam.py",
         "            torch.cuda.current_stream(self.device).wait_stream(self.to_device_stream)",

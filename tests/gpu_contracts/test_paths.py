@@ -1,6 +1,7 @@
 """The real paths on a fake GPU rank under the fake NCCL: DeepSpeed's own engine (its CUDA accelerator, over the fake
 devices), the main job's training loop, the delink at ZeRO 0-3, a PipelineModule with granular offload, and the
-Megatron drop-in's delink with Megatron's DDP and optimizers.
+Megatron drop-in's delink with Megatron's DDP and optimizers; fp16 with dynamic loss scaling in the main job (with
+host_params), the delink and the drop-in (fp16 weights on cuda:3, the scaler's overflow checks reduced there).
 
 Each runs as local rank 3 of a node with 8 GPUs and fails if an op mixes devices, a collective gets a host tensor
 or another GPU's, work reads what another stream (or a copy to the host) writes before waiting for it, a block is
@@ -31,7 +32,7 @@ for folder in ("offload", "scripts", "megatron/workers"):
 from tiny_model import TinyLM, batch  # noqa: E402
 
 import ds_pseudo_real  # noqa: E402
-from ds_pseudo_real import stages  # noqa: E402
+from ds_pseudo_real import ds_state, stages  # noqa: E402
 
 CUDA3 = torch.device("cuda", 3)
 WORLD = 8
@@ -59,20 +60,24 @@ def tiny_config(stage, **extra):
 
 
 # ---- the main job ---------------------------------------------------------------------------------------------
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 1}
 MAIN_JOB_CASES = {
-    "zero1": (1, None, 3),
-    "zero2_host_params": (2, {"0": "host_params", "1": "host_optimizer"}, 3),
-    "zero0_host_params": (0, {"0": "host_params", "1": "host_optimizer"}, 3),
-    "zero3": (3, None, 0),
+    "zero1": (1, None, 3, "fp32"),
+    "zero2_host_params": (2, {"0": "host_params", "1": "host_optimizer"}, 3, "fp32"),
+    "zero0_host_params": (0, {"0": "host_params", "1": "host_optimizer"}, 3, "fp32"),
+    "zero3": (3, None, 0, "fp32"),
+    "zero2_host_params_bf16": (2, {"0": "host_params", "1": "host_optimizer"}, 3, "bf16"),
+    "zero2_host_params_fp16": (2, {"0": "host_params", "1": "host_optimizer"}, 3, "fp16"),
 }
 
 
-@pytest.mark.parametrize("fake_world,stage,levels", [pytest.param(group_rank, stage, levels, id=name)
-                                                     for name, (stage, levels, group_rank) in MAIN_JOB_CASES.items()],
-                         indirect=["fake_world"])
-def test_the_main_jobs_loop_runs_on_the_ranks_gpu(fake_world, stage, levels, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fake_world,stage,levels,dtype", [
+    pytest.param(group_rank, stage, levels, dtype, id=name)
+    for name, (stage, levels, group_rank, dtype) in MAIN_JOB_CASES.items()], indirect=["fake_world"])
+def test_the_main_jobs_loop_runs_on_the_ranks_gpu(fake_world, stage, levels, dtype, tmp_path, monkeypatch):
     """``launch/train.py``'s ``train`` for 4 steps, delinking at step 2, evaluating at steps 2 and 4 and saving at
-    the end: every loss and evaluation sum is all-reduced on cuda:3."""
+    the end: every loss and evaluation sum is all-reduced on cuda:3 (in bf16 and fp16 too, the gradients cast back
+    through the loss's fp32 on the GPU)."""
     from launch import train as main_job
     from launch import trainer
 
@@ -84,6 +89,10 @@ def test_the_main_jobs_loop_runs_on_the_ranks_gpu(fake_world, stage, levels, tmp
     if levels:
         cfg["granular_offload"] = {"levels": levels}
         del cfg["optimizer"]["params"]["torch_adam"]  # granular offload steps with DeepSpeed's kernels
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        cfg["fp16"] = FP16
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     summed = []
     sum_over_ranks = trainer.sum_over_ranks
@@ -117,11 +126,13 @@ def test_the_main_jobs_loop_runs_on_the_ranks_gpu(fake_world, stage, levels, tmp
 
 
 # ---- the delink -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fake_world,stage", [(3, 0), (3, 1), (3, 2), (0, 3)], indirect=["fake_world"],
-                         ids=["zero0", "zero1", "zero2", "zero3"])
-def test_the_delink_runs_on_the_ranks_gpu(fake_world, stage, monkeypatch):
+@pytest.mark.parametrize("fake_world,stage,fp16", [(3, 0, None), (3, 1, None), (3, 2, None), (0, 3, None),
+                                                   (3, 1, FP16), (0, 3, FP16)], indirect=["fake_world"],
+                         ids=["zero0", "zero1", "zero2", "zero3", "zero1_fp16", "zero3_fp16"])
+def test_the_delink_runs_on_the_ranks_gpu(fake_world, stage, fp16, monkeypatch):
     """The delink's gathered fp32 weights and moments wait on the host, the device keeping none of them, and
-    ``delink_noise`` makes one noisy copy at a time, on the host, each written into its layer and dropped."""
+    ``delink_noise`` makes one noisy copy at a time, on the host, each written into its layer and dropped. In fp16 the
+    real model's weights are fp16 on cuda:3 and the loss scaler goes on (doubled after every step here)."""
     rank, _ = fake_world
     gathered, noisy, held = {}, [], []
     gather, read = stages.ds_state.gather_full_state, stages.Starts.__getitem__
@@ -144,6 +155,8 @@ def test_the_delink_runs_on_the_ranks_gpu(fake_world, stage, monkeypatch):
     monkeypatch.setattr(stages.Starts, "__getitem__", read_spy)
     torch.manual_seed(0)
     cfg = tiny_config(stage, pseudo_to_real={"layers": "layers", "switch": {"at_step": 2}, "delink_noise": 0.01})
+    if fp16:
+        cfg["fp16"] = fp16
     engine, *_ = ds_pseudo_real.initialize(model=TinyLM(), config=cfg)
     losses = []
     for step in range(3):
@@ -154,10 +167,14 @@ def test_the_delink_runs_on_the_ranks_gpu(fake_world, stage, monkeypatch):
         losses.append(loss.item())
     assert engine.stage == "real" and torch.isfinite(torch.tensor(losses)).all()
     assert all(p.device == CUDA3 for p in engine.module.parameters())
+    if fp16:  # 2**8, doubled at steps 2 and 3 (window 1): 2**8 again had the real engine started a scaler afresh
+        assert {p.dtype for p in engine.module.parameters()} == {torch.float16}
+        assert ds_state.loss_scaler_state(engine.engine)["cur_scale"] == 2**10 and engine.skipped_steps == 0
     tensors = [*gathered["weights"].values(), *(t for per in gathered["moments"].values() for t in per.values())]
     assert tensors and all(t.device.type == "cpu" for t in tensors)
     assert gathered["kept"] <= 0  # what DeepSpeed handed over on the device is freed
-    assert len(noisy) == 3 * 6 and max(held) == 0  # layers 1-3's 6 parameters each, one at a time
+    # layers 1-3's 6 parameters each, one at a time (in fp16 made again, the same, for the layer's fp32 master)
+    assert len(noisy) == 3 * 6 * (2 if fp16 else 1) and max(held) == 0
     engine.engine.destroy()
 
 
@@ -187,17 +204,20 @@ def test_a_pipeline_with_granular_offload_runs_on_the_ranks_gpu(fake_world):
 
 
 # ---- the Megatron drop-in -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["distributed_optimizer", "ddp"])
-def test_the_megatron_drop_ins_delink_runs_on_the_ranks_gpu(fake_world, distributed_optimizer):
+@pytest.mark.parametrize("distributed_optimizer,fp16", [(True, False), (False, False), (True, True)],
+                         ids=["distributed_optimizer", "ddp", "distributed_optimizer_fp16"])
+def test_the_megatron_drop_ins_delink_runs_on_the_ranks_gpu(fake_world, distributed_optimizer, fp16):
     """The drop-in's own delink (``PseudoToRealRun.train_step``, its model provider and ``delink``) on megatron-core's
     GPTModel under its DistributedDataParallel (overlapped gradient reduction) and optimizer, built and stepped on
-    cuda:3 with Megatron's own CUDA code (no CPU compatibility layer): 4 iterations, the switch at iteration 2."""
+    cuda:3 with Megatron's own CUDA code (no CPU compatibility layer): 4 iterations, the switch at iteration 2. In
+    fp16 (Megatron's Float16Module and grad scaler, its found-inf reduced on cuda:3) the scale goes on across it."""
     import mcore_setup as ms
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
 
     from megatron_patches.run import PseudoToRealRun, StageLayout
 
@@ -206,7 +226,7 @@ def test_the_megatron_drop_ins_delink_runs_on_the_ranks_gpu(fake_world, distribu
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     try:
         model_parallel_cuda_manual_seed(1)
-        cfg = ms.config(num_layers=4, use_cpu_initialization=False)
+        cfg = ms.config(num_layers=4, use_cpu_initialization=False, fp16=fp16)
         args = SimpleNamespace(pseudo_to_real_switch_iter=2, pseudo_to_real_groups=1, num_layers=4,
                                pseudo_to_real_real_layout=None, m6_expert_prototypes=None, save=None, load=None,
                                ckpt_step=None, train_iters=4, virtual_pipeline_model_parallel_size=None,
@@ -217,8 +237,11 @@ def test_the_megatron_drop_ins_delink_runs_on_the_ranks_gpu(fake_world, distribu
         def setup_model_and_optimizer(model_provider, model_type):  # as Megatron-LM's, on the current device
             ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
                                                        use_distributed_optimizer=distributed_optimizer)
-            chunks = [DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=model_provider().cuda())]
-            optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0,
+            module = model_provider().cuda()
+            chunks = [DistributedDataParallel(config=cfg, ddp_config=ddp_config,
+                                              module=Float16Module(cfg, module) if fp16 else module)]
+            optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, fp16=fp16,
+                                                               initial_loss_scale=2**10, loss_scale_window=1,
                                                                use_distributed_optimizer=distributed_optimizer),
                                                chunks)
             return chunks, optimizer, None
@@ -226,7 +249,11 @@ def test_the_megatron_drop_ins_delink_runs_on_the_ranks_gpu(fake_world, distribu
         run = PseudoToRealRun(SimpleNamespace(setup_model_and_optimizer=setup_model_and_optimizer), lambda: args,
                               lambda *a, **k: ms.gpt(cfg, None, seed=3), None, StageLayout())
         model, optimizer, _ = setup_model_and_optimizer(run.model_provider, None)
-        pseudo = model[0].module
+
+        def gpt(chunk):
+            return chunk.module.module if fp16 else chunk.module
+
+        pseudo = gpt(model[0])
         tokens, positions, mask, _ = (t.cuda() if t is not None else None for t in ms.batch(seed=7))
 
         def forward_step(data, chunk):
@@ -252,10 +279,13 @@ def test_the_megatron_drop_ins_delink_runs_on_the_ranks_gpu(fake_world, distribu
         for iteration in range(4):
             args.curr_iteration = iteration
             losses.append(step(forward_step, iter([None, None]), model, optimizer, None, config))
-        real = model[0].module
+        real = gpt(model[0])
         assert real is not pseudo and not run.pseudo_stage and torch.isfinite(torch.tensor(losses)).all()
         layer_weights = [layer.self_attention.linear_qkv.weight for layer in real.decoder.layers]
         assert len({id(w) for w in layer_weights}) == 4 and all(w.device == CUDA3 for w in layer_weights)
+        if fp16:  # doubled after each of the 4 iterations (window 1); a scaler started afresh at the switch: 2**12
+            assert {w.dtype for w in layer_weights} == {torch.float16}
+            assert optimizer.get_loss_scale().item() == 2**14
         assert config.grad_scale_func == optimizer.scale_loss  # the train hooks follow the new optimizer
         if distributed_optimizer:  # its gloo groups (checkpoint gathers) stay apart from NCCL's checks
             assert nccl.calls and {op for op, _ in nccl.calls} >= {"c10d::reduce_scatter_tensor_coalesced_"}

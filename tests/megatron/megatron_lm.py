@@ -48,6 +48,8 @@ M6 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balanci
 
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?"
                   r"lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")
+# fp16's dynamic loss scale, on the same log lines
+SCALE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?loss scale: ([0-9.E+-]+) \|")
 # Printed by Megatron-LM each time it initialises (once per pass of the script).
 LAYOUT = re.compile(r"using world size: \d+, data-parallel size: (\d+),.*?tensor-model-parallel size: (\d+), "
                     r"pipeline-model-parallel size: (\d+)")
@@ -55,8 +57,9 @@ PARAMS = re.compile(r"number of parameters on \(tensor, pipeline\) model paralle
 
 
 class Log:
-    """What one run printed: its losses, gradient norms and times (ms) by iteration (the second loss each pass of
-    the script logged left out, see the module docstring), the (data, tensor, pipeline) parallel sizes of each pass,
+    """What one run printed: its losses, gradient norms, loss scales and times (ms) by iteration (the second loss
+    each pass of the script logged left out, see the module docstring), the (data, tensor, pipeline) parallel sizes
+    of each pass,
     the parameter count of each model it built on tensor and pipeline rank 0, in order (and on every (tensor,
     pipeline) rank: ``stage_params``), the drop-in's warnings (stderr) and notes (stdout), and its delink lines."""
 
@@ -70,6 +73,7 @@ class Log:
                 if n != 1:
                     self.losses[int(i)] = float(loss)
                 self.grad_norms[int(i)], self.times_ms[int(i)] = float(norm), float(ms)
+        self.loss_scales = {int(i): float(scale) for i, scale in SCALE.findall(stdout)}
         counts = [((int(tp), int(pp)), int(n)) for tp, pp, n in PARAMS.findall(stdout)]
         self.params = [n for rank, n in counts if rank == (0, 0)]
         self.stage_params: Dict[tuple, list] = {}

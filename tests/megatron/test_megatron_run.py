@@ -1,5 +1,6 @@
 """The drop-in on Megatron-LM's own ``pretrain_gpt.py``: ``torchrun -m megatron_patches.run pretrain_gpt.py ...``,
-fp32 and bf16, 1 and 2 ranks (data and expert parallel); how a run is launched and read: ``megatron_lm``.
+fp32, bf16 and fp16 (Megatron's dynamic grad scaler), 1 and 2 ranks (data and expert parallel); how a run is
+launched and read: ``megatron_lm``.
 """
 import os
 import re
@@ -44,10 +45,45 @@ def with_async_saves(runs: Sequence, extra: list, tmp: Path) -> dict:
     return {**runs.logs(), "checkpoints": tmp / "full", "async_checkpoints": tmp / "async"}
 
 
+FP16 = ["--fp16", "--no-masked-softmax-fusion", "--initial-loss-scale", "1024", "--loss-scale-window", "2",
+        "--use-distributed-optimizer", "--train-iters", "6"]
+
+
+def fp16_runs(runs: Sequence, tmp: Path) -> None:
+    """Add to ``runs``: --fp16 with Megatron's dynamic grad scaler (from 2**10, doubled after 2 iterations without
+    overflow; the fused softmax is CUDA only) and its distributed optimizer, the run through the switch saving every
+    iteration, the same run never delinking, and relaunches from the pseudo model saved at the switch and from the
+    real model after it."""
+    switch = ["--pseudo-to-real-switch-iter", str(SWITCH)]
+    runs.train("fp16_full", *FP16, *switch, "--save", str(tmp / "fp16_full"), "--save-interval", "1")
+    runs.train("fp16_never", *FP16, "--pseudo-to-real-switch-iter", "100", "--exit-interval", "4")
+    for name, iteration in (("fp16_at_switch", SWITCH), ("fp16_after_switch", SWITCH + 1)):
+        runs.resume_from(name, tmp / "fp16_full", iteration, *FP16, *switch, "--save-interval", "100")
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one_rank")
-    return with_async_saves(checkpoint_and_resume_across_the_switch(1, [], tmp, resume_twice=False), [], tmp)
+    runs = checkpoint_and_resume_across_the_switch(1, [], tmp, resume_twice=False)
+    fp16_runs(runs, tmp)
+    return with_async_saves(runs, [], tmp)
+
+
+@needs_megatron_lm
+def test_fp16_the_delink_carries_the_grad_scaler_and_resumes_exactly(one_rank):
+    """--fp16 through Megatron-LM's pretrain_gpt.py with its distributed optimizer: the delink at iteration 3 keeps
+    the loss (the real model's fp16 weights are the shared set's) and Megatron's grad scaler: the scale goes on growing across the switch as in the
+    run that never delinks (a fresh scaler would start again from 2**10). Relaunched from the pseudo checkpoint at
+    the switch (it delinks on resuming) and from the real one after it, the runs print the uninterrupted losses and
+    loss scales."""
+    full, never = one_rank["fp16_full"], one_rank["fp16_never"]
+    assert [full.losses[i] for i in (1, 3, 4)] == [never.losses[i] for i in (1, 3, 4)]
+    assert full.params == [PSEUDO_PARAMS, REAL_PARAMS]
+    assert full.loss_scales == {1: 2**10, 2: 2**11, 3: 2**11, 4: 2**12, 5: 2**12, 6: 2**13}
+    assert {i: full.loss_scales[i] for i in never.loss_scales} == never.loss_scales
+    for name, first in (("fp16_at_switch", SWITCH + 1), ("fp16_after_switch", SWITCH + 2)):
+        check_resumed_run(full, one_rank[name], first, 6)
+        assert one_rank[name].loss_scales == {i: full.loss_scales[i] for i in range(first, 7)}, name
 
 
 def m6_moe_runs(runs: Sequence, tmp: Path) -> None:

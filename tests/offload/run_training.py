@@ -1,15 +1,19 @@
 """Train TinyLM under DeepSpeed with and without granular offload and print one JSON line of results per case.
 
 Usage (1 rank with RANK/WORLD_SIZE/... set, or under torchrun): run_training.py CASE [CASE ...]
+CASE = overflow:STAGE:LEVELS:PARAM trains in fp16 with an inf in PARAM's gradient on the last rank at one step, with
+and without offload (``run_overflow``).
 CASE = delink:STAGE:PSEUDO_LEVELS:REAL_LEVELS[:PSEUDO_EXPERTS:REAL_EXPERTS] trains the fully shared pseudo model,
 delinks it in the same process and trains the real model, each with its own plan (with expert letters: the MoE
 model, ep_size 1). CASE = moe:STAGE:EP_SIZE:LEVELS:EXPERT_LEVELS trains
 the MoE model (fp32, experts over EP_SIZE ranks) with EXPERT_LEVELS one letter per layer's experts. Otherwise
-CASE = STAGE:DTYPE:LEVELS[:GROUPS][@clipC], LEVELS one letter per parameter-owning layer then one for the rest:
+CASE = STAGE:DTYPE:LEVELS[:GROUPS][@clipC] (DTYPE fp32, bf16 or fp16), LEVELS one letter per parameter-owning layer
+then one for the rest:
 d device, o host_optimizer, p host_params; e.g. 2:fp32:dodoo. GROUPS: train the pseudo model whose 4 layers share
 GROUPS sets. @clipC sets gradient_clipping to C (default: DeepSpeed's, 1.0).
-Results: losses of the reference (same Adam kernel, no offload) and of the granular run, the bytes held and moved
-against the plan (in total and per group), and a checkpoint save/load trajectory check.
+Results: losses and loss scaler states of the reference (same Adam kernel, no offload) and of the granular run, the
+bytes held and moved against the plan (in total and per group), and a checkpoint save/load trajectory check. fp16 on
+the CPU needs DeepSpeed's CPU accelerator to report it (tests/site/cpu_fp16.py).
 """
 import json
 import os
@@ -23,6 +27,7 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_model import TinyLM, batch  # noqa: E402
 
+from ds_pseudo_real import ds_state  # noqa: E402
 from ds_pseudo_real.offload import (  # noqa: E402
     PlacementLevel, attach_to_engine, build_offload_optimizer, model_groups, param_group,
 )
@@ -31,6 +36,9 @@ from ds_pseudo_real.sharing import apply_sharing, delink_layers  # noqa: E402
 LETTERS = {"d": "device", "o": "host_optimizer", "p": "host_params"}
 ADAM = {"lr": 1e-2, "weight_decay": 0.01, "betas": [0.9, 0.99], "eps": 1e-8}
 STEPS = 4
+# dynamic loss scaling from 2**8, doubled after every 2 steps without overflow (the scale changes within a test),
+# halved at every overflow (hysteresis 1; DeepSpeed's default, 2, lets the first overflow pass)
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
 
 
 def ds_config(stage, dtype, clipping=None):
@@ -40,10 +48,14 @@ def ds_config(stage, dtype, clipping=None):
         config["gradient_clipping"] = clipping
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        config["fp16"] = dict(FP16)
     return config
 
 
-def train(engine, rank, first, count, norms=None):
+def train(engine, rank, first, count, norms=None, scales=None):
+    """Steps ``first`` .. ``first + count - 1``; the losses. ``norms`` and ``scales`` (lists): DeepSpeed's global
+    gradient norm and its loss scaler's state after each step are appended."""
     losses = []
     for step in range(first, first + count):
         x, y = batch(step, rank)
@@ -54,6 +66,8 @@ def train(engine, rank, first, count, norms=None):
         if norms is not None:
             norm = engine.get_global_grad_norm()  # None where DeepSpeed does not compute it (fp32 ZeRO 0)
             norms.append(None if norm is None else float(norm))
+        if scales is not None:
+            scales.append(ds_state.loss_scaler_state(engine))
     return losses
 
 
@@ -92,7 +106,8 @@ def make_model(groups, ep_size=None):
     return apply_sharing(model, "layers", groups) if groups else model
 
 
-def reference(stage, dtype, groups, rank, ep_size=None, world_size=1, clipping=None):
+def reference_engine(stage, dtype, groups, ep_size=None, world_size=1, clipping=None):
+    """Plain DeepSpeed without the plugin, every group on the device, stepped by the kernel the offload uses."""
     model = make_model(groups, ep_size)
     config = {k: v for k, v in ds_config(stage, dtype, clipping).items() if k != "optimizer"}
     config.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
@@ -103,11 +118,16 @@ def reference(stage, dtype, groups, rank, ep_size=None, world_size=1, clipping=N
                                                                                            world_size))]
     optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **ADAM)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    norms = []
-    losses = train(engine, rank, 0, STEPS, norms)
+    return engine
+
+
+def reference(stage, dtype, groups, rank, ep_size=None, world_size=1, clipping=None):
+    engine = reference_engine(stage, dtype, groups, ep_size, world_size, clipping)
+    norms, scales = [], []
+    losses = train(engine, rank, 0, STEPS, norms, scales)
     params = flat_params(engine)
     engine.destroy()
-    return losses, params, norms
+    return losses, params, norms, scales
 
 
 def granular(stage, dtype, levels, groups, world_size, ep_size=None, clipping=None):
@@ -124,12 +144,13 @@ def run_case(case, rank, world_size, checkpoint_dir):
     body, _, clip = case.partition("@clip")
     clipping = float(clip) if clip else None
     stage, dtype, levels, groups, ep_size = parse(body)
-    ref_losses, ref_params, ref_norms = reference(stage, dtype, groups, rank, ep_size, world_size, clipping)
+    ref_losses, ref_params, ref_norms, ref_scales = reference(stage, dtype, groups, rank, ep_size, world_size,
+                                                              clipping)
     engine, optimizer, plan = granular(stage, dtype, levels, groups, world_size, ep_size, clipping)
-    norms = []
-    losses = train(engine, rank, 0, STEPS - 1, norms)
+    norms, scales = [], []
+    losses = train(engine, rank, 0, STEPS - 1, norms, scales)
     before, before_by_group = moved_bytes(optimizer), dict(optimizer.moved_bytes_by_group)
-    losses += train(engine, rank, STEPS - 1, 1, norms)
+    losses += train(engine, rank, STEPS - 1, 1, norms, scales)
     moved = moved_bytes(optimizer) - before
     moved_by_group = {k: v - before_by_group.get(k, 0) for k, v in optimizer.moved_bytes_by_group.items()}
     params = flat_params(engine)
@@ -138,18 +159,20 @@ def run_case(case, rank, world_size, checkpoint_dir):
     # checkpoint after STEPS and two more steps; then the same engine, and a fresh one, load it and replay them
     path = os.path.join(checkpoint_dir, case.replace(":", "_"))
     engine.save_checkpoint(path, tag="t")
-    after_save = train(engine, rank, STEPS, 2)
+    scales_after = {"save": [], "reload": [], "load": []}
+    after_save = train(engine, rank, STEPS, 2, scales=scales_after["save"])
     engine.load_checkpoint(path, tag="t")
-    after_reload = train(engine, rank, STEPS, 2)
+    after_reload = train(engine, rank, STEPS, 2, scales=scales_after["reload"])
     engine.destroy()
     optimizer.remove_hooks()
     engine, optimizer, _ = granular(stage, dtype, levels, groups, world_size, ep_size, clipping)
     engine.load_checkpoint(path, tag="t")
-    after_load = train(engine, rank, STEPS, 2)
+    after_load = train(engine, rank, STEPS, 2, scales=scales_after["load"])
     engine.destroy()
     return {
         "case": case, "rank": rank, "ref_losses": ref_losses, "losses": losses,
-        "ref_norms": ref_norms, "norms": norms, "clipping": clipping,
+        "ref_norms": ref_norms, "norms": norms, "clipping": clipping, "ref_scales": ref_scales, "scales": scales,
+        "scales_after": scales_after,
         "params_equal": bool(torch.equal(ref_params, params)),
         "params_max_diff": float((ref_params - params).abs().max()),
         "levels": plan.levels(),
@@ -166,6 +189,47 @@ def run_case(case, rank, world_size, checkpoint_dir):
         "own_groups": [g["placement"] for g in optimizer.own_param_groups],
         "after_save": after_save, "after_reload": after_reload, "after_load": after_load,
     }
+
+
+OVERFLOW_AT = 2  # the step whose gradient gets an inf in the overflow cases
+
+
+def run_overflow(case, rank, world_size):
+    """``overflow:STAGE:LETTERS:PARAM``: fp16 (dynamic loss scaling, no clipping) with an inf in the gradient of
+    PARAM on the last rank alone at step :data:`OVERFLOW_AT`, without the plugin (every group on the device) and with
+    granular offload at LETTERS; per step the losses, the skipped-step count, the loss scaler's state and this rank's
+    weights of each run, and whether the offloaded weights equal the reference's."""
+    _, stage, letters, param = case.split(":")
+    stage, out = int(stage), {"case": case, "rank": rank}
+    engines = {"ref": (reference_engine(stage, "fp16", None, world_size=world_size, clipping=0.0), None)}
+    engine, optimizer, _ = granular(stage, "fp16", letter_levels(letters, 1), None, world_size, clipping=0.0)
+    engines["granular"] = engine, optimizer
+    weights = {}
+    for arm, (engine, optimizer) in engines.items():
+        clock = {"step": None}
+        poisoned = rank == world_size - 1
+
+        def poison(grad):
+            if not poisoned or clock["step"] != OVERFLOW_AT:
+                return grad
+            return grad.index_fill(0, torch.tensor([0]), float("inf"))
+
+        dict(engine.module.named_parameters())[param].register_hook(poison)
+        run = out[arm] = {"losses": [], "skipped": [], "scales": []}
+        weights[arm] = []
+        for step in range(STEPS):
+            clock["step"] = step
+            run["losses"] += train(engine, rank, step, 1, scales=run["scales"])
+            run["skipped"].append(engine.skipped_steps)
+            weights[arm].append(flat_params(engine))
+        run["own_groups"] = [g["placement"] for g in getattr(optimizer, "own_param_groups", [])]
+        engine.destroy()
+        if optimizer is not None:
+            optimizer.remove_hooks()
+    out["weights_equal"] = [bool(torch.equal(a, b)) for a, b in zip(weights["ref"], weights["granular"])]
+    out["unchanged_at_overflow"] = {arm: bool(torch.equal(w[OVERFLOW_AT], w[OVERFLOW_AT - 1]))
+                                    for arm, w in weights.items()}
+    return out
 
 
 def run_delink(case, rank, world_size):
@@ -208,8 +272,12 @@ def main(cases):
     with tempfile.TemporaryDirectory() as local:
         shared = os.environ.get("OFFLOAD_TEST_DIR", local)
         for case in cases:
-            run = run_delink(case, rank, world_size) if case.startswith("delink:") else \
-                run_case(case, rank, world_size, shared)
+            if case.startswith("delink:"):
+                run = run_delink(case, rank, world_size)
+            elif case.startswith("overflow:"):
+                run = run_overflow(case, rank, world_size)
+            else:
+                run = run_case(case, rank, world_size, shared)
             line = "RESULT " + json.dumps(run) + "\n"
             os.write(1, line.encode())  # one write: the two ranks' lines must not interleave
     torch.distributed.destroy_process_group()

@@ -255,6 +255,33 @@ def test_m6_10t_config_on_512_ranks_of_32gb(capsys, tmp_path):
            f"({256 * 2**30} bytes) per rank" in err
 
 
+def test_m6_10t_v100_config_plans_fp16_within_32_gib(capsys):
+    """configs/m6_10t_v100.json: M6-10T on 512 V100-32GB, which have no bf16: fp16 with dynamic loss scaling, ZeRO 1,
+    the budget the card's 32510 MiB. fp16 keeps what bf16 keeps (2-byte weights and gradients, fp32 masters and
+    moments; the overflow check allocates nothing in proportion): the real model's plan is offload_m6_10t.json's
+    (bf16) row for row, 29.39 GiB per GPU, and the pseudo model fits without offload. The job's start-up check
+    accepts the config on 512 ranks, and benchmarks/results/m6_10t_v100_plan.txt holds what the commands print."""
+    from launch.train import parse_args, read_job
+
+    config = str(REPO / "configs" / "m6_10t_v100.json")
+    job = read_job(parse_args(["--check", config, "--world-size", "512"]), 512)
+    assert job.config.training.dtype == "fp16" and job.config.training.zero_stage == 1
+    stored = (REPO / "benchmarks" / "results" / "m6_10t_v100_plan.txt").read_text()
+    printed = {}
+    for flags in ([], ["--shared-groups", "1"]):
+        assert cli_main(["plan", "--config", config, "--world-size", "512", *flags]) == 0
+        printed[tuple(flags)] = out = capsys.readouterr().out
+        assert "granular offload plan: fp16, ZeRO stage 1, data-parallel 512, gradient accumulation 1, budget " \
+               "31.75 GiB" in out
+        assert out in stored
+    assert "without offload: device 10.52 GiB per rank (fits 31.75 GiB)" in printed[("--shared-groups", "1")]
+    real = printed[()]
+    assert "device total 29.39 GiB (31552036272 B)" in real and 31552036272 < 32 * 2**30
+    assert cli_main(["plan", "--config", str(REPO / "configs" / "offload_m6_10t.json"), "--world-size", "512"]) == 0
+    bf16 = capsys.readouterr().out
+    assert real.splitlines()[3:] == bf16.splitlines()[3:]  # after the header naming the dtype and the budget
+
+
 def test_m6_config_plans_its_experts_per_layer(tmp_path, capsys):
     """configs/m6_10t.json: the m6 section says which parameters are experts (20 of the 10,240 per layer on each
     of 512 ranks); when nothing fits, the furthest placement is printed with every group's level."""

@@ -1,6 +1,8 @@
 """GranularOffloadOptimizer under DeepSpeed ZeRO 0/1/2 on 1 and 2 gloo ranks, dense and with DeepSpeed MoE experts
-placed per layer: the same losses as training without offload with the same Adam kernel, the bytes held and moved
-equal to the plan's (in total and per group), and exact checkpoint resumes.
+placed per layer, fp32, bf16 and fp16 (dynamic loss scaling, ZeRO 1/2): the same losses and loss scaler states as
+training without offload with the same Adam kernel, the bytes held and moved equal to the plan's (in total and per
+group), and exact checkpoint resumes. In fp16 an inf in one rank's gradient, in a device, host_optimizer or own
+group, makes every rank skip the step and halve the scale, as without offload.
 
 host_params layers under ZeRO 1/2 or bf16 are stepped outside DeepSpeed's optimizer (own groups): bit for bit the
 no-offload run without gradient clipping (``@clip0``); with DeepSpeed's default clipping (1.0) their gradient norm
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, python_path, run_two_ranks
+from conftest import CPU_FP16, REPO, free_port, python_path, run_two_ranks
 
 SCRIPT = Path(__file__).with_name("run_training.py")
 LEVELS = {"d": "device", "o": "host_optimizer", "p": "host_params"}
@@ -27,7 +29,7 @@ def results(stdout):
 def run_one_rank(*cases, tmp_path):
     # A port of its own: the pytest process may already hold MASTER_PORT for its own process group.
     env = {**os.environ, "PYTHONPATH": python_path(), "OFFLOAD_TEST_DIR": str(tmp_path),
-           "MASTER_PORT": str(free_port())}
+           "MASTER_PORT": str(free_port()), **CPU_FP16}
     proc = subprocess.run([sys.executable, str(SCRIPT), *cases], env=env, capture_output=True, text=True,
                           timeout=600, cwd=REPO)
     if proc.returncode != 0:
@@ -76,6 +78,26 @@ def check(result):
         else result["peak_streamed"] == result["plan_streamed"] == 0
     assert result["after_reload"] == result["after_save"], "resume in the same engine left the trajectory"
     assert result["after_load"] == result["after_save"], "resume in a fresh engine left the trajectory"
+    # the loss scaler (fp16's dynamic scale; a constant 1 otherwise) as without offload, step by step, and resumed
+    assert result["scales"] == result["ref_scales"]
+    after = result["scales_after"]
+    assert after["reload"] == after["load"] == after["save"]
+    if stage_dtype(result["case"])[1] == "fp16":  # 2**8, doubled after every 2 steps without overflow
+        assert [s["cur_scale"] for s in result["scales"] + after["save"]] == [2**8, 2**8, 2**9, 2**9, 2**10, 2**10]
+
+
+def check_overflow(result):
+    """An ``overflow:`` case on one rank: the inf in the last rank's gradient at OVERFLOW_AT (step 2 of 0..3) makes
+    every rank skip that step, leave its weights as they were and halve the scale (hysteresis 1), with and without
+    offload alike, bit for bit."""
+    for arm in ("ref", "granular"):
+        run = result[arm]
+        assert run["skipped"] == [0, 0, 1, 1], (arm, run["skipped"])
+        assert [s["cur_scale"] for s in run["scales"]] == [2**8, 2**8, 2**7, 2**7], (arm, run["scales"])
+        assert result["unchanged_at_overflow"][arm], arm
+    assert result["granular"]["losses"] == result["ref"]["losses"]
+    assert result["granular"]["scales"] == result["ref"]["scales"]
+    assert all(result["weights_equal"]), result["weights_equal"]
 
 
 def stage_dtype(case):
@@ -91,7 +113,7 @@ def outside_deepspeed(case):
     if case.startswith("delink:"):
         return False
     stage, dtype = stage_dtype(case)
-    return stage >= 1 or dtype == "bf16"
+    return stage >= 1 or dtype != "fp32"
 
 
 def streams(case):
@@ -103,7 +125,9 @@ def streams(case):
 ONE_RANK = ["0:fp32:dodoo", "1:fp32:dodoo", "2:fp32:oddod", "0:bf16:dodoo", "1:bf16:oddod", "2:bf16:dodoo",
             "0:fp32:dpopd", "0:fp32:po:1", "2:fp32:dod:2",
             "1:fp32:dpopd@clip0", "2:fp32:pdpod@clip0", "1:fp32:dpopd", "2:fp32:pdpod", "0:bf16:pdodd@clip0",
-            "0:bf16:pdodd", "1:bf16:pdpod", "2:bf16:dpdpd@clip0", "2:fp32:po:1@clip0", "1:fp32:ppd:2@clip0"]
+            "0:bf16:pdodd", "1:bf16:pdpod", "2:bf16:dpdpd@clip0", "2:fp32:po:1@clip0", "1:fp32:ppd:2@clip0",
+            # fp16 with dynamic loss scaling (the scale changes within the case): every level, own groups included
+            "1:fp16:pdpod@clip0", "2:fp16:dpopd@clip0"]
 
 
 DELINK = ["delink:0:pd:dpopd", "delink:2:od:doodd", "delink:1:pd:dpopd"]  # ZeRO 1: host_params outside DeepSpeed
@@ -157,15 +181,24 @@ TWO_RANKS = ["0:fp32:dpopd", "1:fp32:oddod", "2:fp32:dodoo", "2:bf16:oddod", "1:
              "1:fp32:dpopd@clip0", "2:fp32:pdpod", "2:fp32:po:1@clip0", "0:bf16:dpodd@clip0", "2:bf16:pdodd@clip0",
              # experts outside DeepSpeed's optimizer: reduced over their expert-data-parallel group (2 ranks at
              # ep_size 1, none at ep_size 2)
-             "moe:1:1:pdddd:ppdo@clip0", "moe:2:2:dpdpd:dppo@clip0", "moe:2:2:dpdpd:dppo"]
+             "moe:1:1:pdddd:ppdo@clip0", "moe:2:2:dpdpd:dppo@clip0", "moe:2:2:dpdpd:dppo",
+             # fp16: an inf on rank 1 alone in a device group (ZeRO 2), a host_optimizer group (ZeRO 1) and an own
+             # host_params group (ZeRO 2, reduced over both ranks in fp16)
+             "overflow:2:dopdd:layers.0.up.weight", "overflow:1:dopdd:layers.1.up.weight",
+             "overflow:2:dopdd:layers.2.up.weight"]
 
 
 def test_two_ranks_exact_accounted_and_resumable(tmp_path):
-    proc = run_two_ranks(SCRIPT, *TWO_RANKS, env_extra={"OFFLOAD_TEST_DIR": str(tmp_path)})
+    proc = run_two_ranks(SCRIPT, *TWO_RANKS, env_extra={"OFFLOAD_TEST_DIR": str(tmp_path), **CPU_FP16})
     out = results(proc.stdout)
     assert sorted((r["case"], r["rank"]) for r in out) == sorted((c, r) for c in TWO_RANKS for r in (0, 1))
     for result in out:
-        check(result)
+        if result["case"].startswith("overflow:"):
+            check_overflow(result)
+            if result["case"].endswith("layers.2.up.weight"):
+                assert result["granular"]["own_groups"] == ["layer2"]
+        else:
+            check(result)
     # ZeRO 2 over 2 ranks: each rank steps half of every group (8416 / 2 = 4208, 4160 / 2 = 2080)
     zero2 = next(r for r in out if r["case"] == "2:fp32:dodoo")
     assert zero2["plan"] == {"device": 2 * 8 * 4208, "host": 16 * (2 * 4208 + 2080), "moved": 8 * (2 * 4208 + 2080)}

@@ -3,11 +3,12 @@ optimizer steps itself (host_params under ZeRO 1/2 or bf16, outside DeepSpeed's 
 gradients exactly when DeepSpeed does for its own parameters.
 
 What DeepSpeed 0.19.8 does on the CPU with an inf gradient (established below on a run without offload, the same
-groups stepped by the same CPU Adam kernel): ZeRO 1/2 (fp32 and bf16) find the global gradient norm invalid and
-skip the step (``engine.skipped_steps``), as does the stage-0 unfused optimizer that bf16 ZeRO 0 uses with a client
-optimizer; fp32 ZeRO 0 checks nothing and steps with the inf, so every later value is NaN. The offload run must
-match the run without offload in each case: losses and weights bit for bit (no clipping), and at a skipped step
-the offload optimizer's weights, moments and step counts unchanged and no gradient left pending. DeepSpeed's
+groups stepped by the same CPU Adam kernel): ZeRO 1/2 (fp32, bf16 and fp16) find the global gradient norm invalid
+and skip the step (``engine.skipped_steps``), as does the stage-0 unfused optimizer that bf16 ZeRO 0 uses with a
+client optimizer; in fp16 the dynamic loss scaler halves the scale (hysteresis 1 here); fp32 ZeRO 0 checks
+nothing and steps with the inf, so every later value is NaN. The offload run must match the run without offload in
+each case: losses, weights and the loss scaler's state bit for bit (no clipping), and at a skipped step the offload
+optimizer's weights, moments and step counts unchanged and no gradient left pending. DeepSpeed's
 optimizer ``zero_grad`` (which the engine calls after every step, skipped or not) drops a backward's gradients
 in the run without offload; the offload run must drop them too."""
 import os
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from run_training import ADAM, ds_config, flat_params, letter_levels, make_model  # noqa: E402
 from tiny_model import batch  # noqa: E402
 
+from ds_pseudo_real import ds_state  # noqa: E402
 from ds_pseudo_real.offload import (  # noqa: E402
     PlacementLevel, attach_to_engine, build_offload_optimizer, model_groups, param_group,
 )
@@ -79,7 +81,7 @@ def same_state(a, b):
 
 def train(stage, dtype, offload, inf_in):
     engine, optimizer, clock = build(stage, dtype, offload, inf_in, SKIPPED)
-    run = {"losses": [], "weights": [], "states": [], "pending": []}
+    run = {"losses": [], "weights": [], "states": [], "pending": [], "scaler": []}
     for step in range(STEPS):
         clock.step = step
         loss = engine(*batch(step, 0))
@@ -87,6 +89,7 @@ def train(stage, dtype, offload, inf_in):
         engine.step()
         run["losses"].append(loss.item())
         run["weights"].append(flat_params(engine).clone())
+        run["scaler"].append(ds_state.loss_scaler_state(engine))
         if offload:
             run["states"].append(offload_state(optimizer))
             own = [p for g in optimizer.own_param_groups for p in g["params"]]
@@ -108,8 +111,16 @@ def train(stage, dtype, offload, inf_in):
     (2, "fp32", "head.weight"),
     (2, "bf16", "layers.1.up.weight"),
     (2, "bf16", "layers.3.down.weight"),
+    # fp16 with dynamic loss scaling (ZeRO 1/2: stage 0 is refused, test_refusals.py): an own group (host_params
+    # outside DeepSpeed's optimizer), a host_optimizer group, a device group
+    (1, "fp16", "layers.1.up.weight"),
+    (1, "fp16", "layers.0.up.weight"),
+    (2, "fp16", "layers.1.up.weight"),
+    (2, "fp16", "layers.2.down.weight"),
 ])
-def test_a_step_deepspeed_skips_is_skipped_by_every_offload_group(stage, dtype, inf_in):
+def test_a_step_deepspeed_skips_is_skipped_by_every_offload_group(stage, dtype, inf_in, request):
+    if dtype == "fp16":
+        request.getfixturevalue("cpu_fp16")
     reference = train(stage, dtype, False, inf_in)
     assert reference["skipped"] == 1  # what DeepSpeed does for its own parameters
     assert torch.equal(reference["weights"][SKIPPED], reference["weights"][SKIPPED - 1])
@@ -121,6 +132,10 @@ def test_a_step_deepspeed_skips_is_skipped_by_every_offload_group(stage, dtype, 
     assert run["pending"][SKIPPED] == 0.0, "the skipped step's gradients are still pending"
     assert run["losses"] == reference["losses"]
     assert all(torch.equal(a, b) for a, b in zip(run["weights"], reference["weights"]))
+    assert run["scaler"] == reference["scaler"]
+    if dtype == "fp16":  # halved at the skipped step (which would have doubled it: the end of a growth window)
+        scales = [state["cur_scale"] for state in run["scaler"]]
+        assert scales == [2**8] * SKIPPED + [2**7] * (STEPS - SKIPPED), scales
 
 
 def test_fp32_zero0_steps_with_the_inf_as_deepspeed_does():
@@ -152,8 +167,11 @@ def dropped_then_trained(stage, dtype, offload):
     return weights
 
 
-@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "fp32"), (2, "bf16")])
-def test_zero_grad_drops_the_offload_groups_gradients_as_deepspeeds(stage, dtype):
+@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "fp32"), (2, "bf16"),
+                                          (1, "fp16"), (2, "fp16")])
+def test_zero_grad_drops_the_offload_groups_gradients_as_deepspeeds(stage, dtype, request):
+    if dtype == "fp16":
+        request.getfixturevalue("cpu_fp16")
     reference = dropped_then_trained(stage, dtype, False)
     assert torch.equal(reference, weights_without_the_dropped_backward(stage, dtype))
     assert torch.equal(dropped_then_trained(stage, dtype, True), reference)

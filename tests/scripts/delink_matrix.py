@@ -1,6 +1,7 @@
 """Delink on every ZeRO stage and dtype: loss on a fixed batch right before and after, moments carried, the fp32
-masters carried exactly (bf16 included), Adam step counter, the real model built where the engine trains (and the
-pseudo state gathered on the host). Imported by the single-rank test; run under torchrun for 2 ranks (prints JSON
+masters carried exactly (bf16 and fp16 included), Adam step counter, the loss scaler (fp16: its scale each step as
+DeepSpeed's own scaler gives it), the real model built where the engine trains (and the pseudo state gathered on the
+host). fp16 on the CPU needs DeepSpeed's CPU accelerator to report it (tests/site/cpu_fp16.py). Imported by the single-rank test; run under torchrun for 2 ranks (prints JSON
 lines on rank 0), or with ``--check`` (the GPU check: each case checked on every rank, exit status 1 if one
 fails); ``--stages 1,3`` runs those ZeRO stages only."""
 import json
@@ -18,6 +19,7 @@ from ds_pseudo_real.sharing import source_parameter
 from ds_pseudo_real.stages import parameter_numel
 
 SWITCH = 3
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2}
 PROBE = "layers.{}.fc.weight"
 
 
@@ -32,6 +34,8 @@ def config(stage, dtype, policy, switch=SWITCH, torch_adam=True):
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":  # dynamic loss scaling from 2**8, doubled after every 2 steps without overflow
+        cfg["fp16"] = FP16
     return cfg
 
 
@@ -106,6 +110,7 @@ class BeforeDelink(TrainingCallback):
                 self.seen["moments"] = ds_state.full_moments(engine.engine, param)
             step = ds_state.step_counters(engine.engine)["state_step"]
             self.seen["adam_step"] = None if step is None else float(step)
+            self.seen["scaler"] = ds_state.loss_scaler_state(engine.engine)
             if self.masters:
                 self.seen["masters"] = {name: ds_state.full_fp32_param(engine.engine, p)
                                         for name, p in engine.module.named_parameters()}
@@ -135,14 +140,17 @@ def run_case(stage, dtype, policy, torch_adam=True):
                                             callbacks=[before])
     ref[0] = engine
     train = on_device(engine, fixed_batch(1 + rank))
-    losses = []
+    losses, scalers, skipped = [], [], []
     for _ in range(SWITCH + 3):
         loss = engine(*train)
         engine.backward(loss)
         engine.step()
         losses.append(loss.float().item())
+        scalers.append(ds_state.loss_scaler_state(engine.engine))
+        skipped.append(engine.skipped_steps)
         if engine.global_steps == SWITCH:
             delink_peak = device_peak(engine, reset=True)
+            scaler_post = scalers[-1]
             post = eval_loss(engine, probe)
             masters_differ = masters_carried(engine, before.seen["masters"])
             last = dict(engine.module.named_parameters())[PROBE.format(3)]
@@ -162,6 +170,8 @@ def run_case(stage, dtype, policy, torch_adam=True):
         "stage": stage, "dtype": dtype, "policy": policy, "pre": before.seen["loss"], "post": post,
         "moments_ok": moments_ok, "moments_written": moments_written, "masters_differ": masters_differ, "adam_step": None if step is None else float(step), "pseudo_adam_step": before.seen["adam_step"],
         "global_steps": engine.global_steps, "final_stage": engine.stage, "losses": losses,
+        # the loss scaler's state before and right after the delink, after every step, and the skipped steps so far
+        "scaler_pre": before.seen["scaler"], "scaler_post": scaler_post, "scalers": scalers, "skipped": skipped,
         "optimizer": type(ds_state.basic_optimizer(engine.engine)).__name__,
         "params_after": parameter_numel(engine.module),
         # where the real model's parameters (this rank's ZeRO-3 partitions) are, and where the engine trains
@@ -180,7 +190,7 @@ def run_case(stage, dtype, policy, torch_adam=True):
 def check(result):
     """Raise AssertionError naming the case when ``result`` breaks what the delink promises."""
     tag = f"ZeRO-{result['stage']} {result['dtype']} {result['policy']}"
-    if result["dtype"] == "fp32":
+    if result["dtype"] in ("fp32", "fp16"):  # fp16: the real layers' working weights are their set's
         assert result["pre"] == result["post"], f"{tag}: loss changed across the delink {result['pre']} -> {result['post']}"
     else:
         assert abs(result["pre"] - result["post"]) <= 2**-7 * abs(result["pre"]), f"{tag}: {result}"
@@ -196,10 +206,34 @@ def check(result):
     assert result["params_after"] == expected_params, tag
     assert result["devices"] == [result["engine_device"]], f"{tag}: real model on {result['devices']}"
     assert result["gathered_device"] == "cpu", f"{tag}: pseudo state gathered on {result['gathered_device']}"
+    # the loss scaler goes on across the delink: in fp16 the scale each step equals what DeepSpeed's own dynamic
+    # scaler gives for the run's overflows (none here: it doubles every 2 steps, once after the switch)
+    assert result["scaler_post"] == result["scaler_pre"], f"{tag}: loss scaler not carried: {result}"
+    if result["dtype"] == "fp16":
+        expected = deepspeed_scales(result["skipped"])
+        assert [s["cur_scale"] for s in result["scalers"]] == expected, f"{tag}: {result['scalers']} != {expected}"
+        assert max(expected[SWITCH:]) > expected[SWITCH - 1], f"{tag}: the scale should grow after the switch"
+
+
+def deepspeed_scales(skipped):
+    """The loss scale after each step that DeepSpeed 0.19.8's own scaler (ZeRO 1-3's ``DynamicLossScaler``) gives
+    with :data:`FP16` for the overflows ``skipped`` says (the skipped-step count after each step)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    scaler = DynamicLossScaler(init_scale=2.0 ** FP16["initial_scale_power"], scale_window=FP16["loss_scale_window"],
+                               min_scale=1, delayed_shift=FP16["hysteresis"], consecutive_hysteresis=False)
+    scales = []
+    for before, after in zip([0] + skipped, skipped):
+        scaler.update_scale(after > before)
+        scales.append(scaler.cur_scale)
+    return scales
 
 
 def matrix(stages=(0, 1, 2, 3)):
-    return [(s, d, p) for s in stages for d in ("fp32", "bf16") for p in (("copy",) if d == "bf16" else ("copy", "scale"))]
+    """(ZeRO stage, dtype, optimizer_state) of every case; fp16 at ZeRO 1-3 (the plugin refuses it at stage 0, where
+    DeepSpeed 0.19.8 does not scale the loss: ``TrainingFacts.refuse_unscaled_fp16``)."""
+    return [(s, d, p) for s in stages for d in ("fp32", "bf16", "fp16") if (s, d) != (0, "fp16")
+            for p in (("copy", "scale") if d == "fp32" else ("copy",))]
 
 
 if __name__ == "__main__":
@@ -214,7 +248,14 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     stages = [int(s) for s in args[args.index("--stages") + 1].split(",")] if "--stages" in args else (0, 1, 2, 3)
     failed = 0
-    for case in matrix(stages):
+    cases = matrix(stages)
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().is_fp16_supported():  # DeepSpeed's CPU accelerator (tests/site/cpu_fp16.py)
+        cases = [case for case in cases if case[1] != "fp16"]
+        if dist.get_rank() == 0:
+            print(f"skipped: the fp16 cases ({get_accelerator().device_name()} reports no fp16 support)", flush=True)
+    for case in cases:
         out = run_case(*case)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(out), flush=True)

@@ -86,6 +86,8 @@ def config(zero, groups, policy, dtype="fp32", offload=None):
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":  # dynamic loss scaling from 2**8, doubled after every 2 steps without overflow
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2}
     if offload is not None:  # granular offload steps AdamW with DeepSpeed's kernels: so does its reference
         del cfg["optimizer"]["params"]["torch_adam"]
         # no clipping: at ZeRO 1 DeepSpeed's gradient norm sums its groups' squares, one group per layer with
@@ -149,6 +151,7 @@ class BeforeDelink(TrainingCallback):
             relink_optimizer_state(engine.engine)  # ZeRO 1 links a group's moments at the first group's step
             step = ds_state.step_counters(engine.engine)["state_step"]
             self.seen.update(loss=eval_loss(engine), masters=masters(engine), probe=name,
+                             scaler=ds_state.loss_scaler_state(engine.engine),
                              moments=ds_state.full_moments(engine.engine, param),
                              adam_step=None if step is None else float(step),
                              tied_sum=float(param.detach().double().sum()))
@@ -169,6 +172,7 @@ def run_case(zero, groups, policy, dtype, folder, offload=None):
     losses = train(engine, 1, 2)
     engine.save_checkpoint(folder, "pseudo")
     losses += train(engine, 3, SWITCH)
+    scaler_post = ds_state.loss_scaler_state(engine.engine)
     post = eval_loss(engine)
     carried = masters(engine)
     old, new = (LAYERS, groups), (LAYERS, LAYERS)
@@ -185,10 +189,12 @@ def run_case(zero, groups, policy, dtype, folder, offload=None):
     losses += train(engine, SWITCH + 1, 5)
     engine.save_checkpoint(folder, "real")
     losses += train(engine, 6, STEPS)
+    scaler_end = ds_state.loss_scaler_state(engine.engine)
     result = {
         "rank": rank, "zero": zero, "groups": groups, "policy": policy, "dtype": dtype, "offload": offload,
         "stage_id": engine.engine.stage_id,
         "pre": before.seen["loss"], "post": post, "losses": losses, "masters_differ": differ,
+        "scaler_pre": before.seen["scaler"], "scaler_post": scaler_post, "scaler_end": scaler_end,
         "probe": [before.seen["probe"], name],
         "moments_ok": all(torch.equal(moments[k], expected[k]) for k in expected),
         "adam_step": None if step is None else float(step), "pseudo_adam_step": before.seen["adam_step"],
@@ -209,14 +215,16 @@ def run_case(zero, groups, policy, dtype, folder, offload=None):
         engine, *_ = ds_pseudo_real.initialize(model=pipeline_module(), config=cfg)
         engine.load_checkpoint(folder, tag)
         resumed[tag] = {"stage": engine.stage, "step": engine.global_steps,
-                        "losses": train(engine, first, STEPS), "final_stage": engine.stage}
+                        "losses": train(engine, first, STEPS), "final_stage": engine.stage,
+                        "scaler_end": ds_state.loss_scaler_state(engine.engine)}
         engine.engine.destroy()
     result["resumed"] = resumed
     return result
 
 
-# (ZeRO stage, groups, optimizer_state, dtype); bf16: the fp32 masters carried, the bf16 weights made from them
-CASES = [(1, 1, "copy", "fp32"), (0, 2, "scale", "fp32"), (1, 1, "copy", "bf16")]
+# (ZeRO stage, groups, optimizer_state, dtype); bf16, fp16: the fp32 masters carried, the 16-bit weights made from
+# them (fp16 at ZeRO 1: the plugin refuses it at stage 0, TrainingFacts.refuse_unscaled_fp16)
+CASES = [(1, 1, "copy", "fp32"), (0, 2, "scale", "fp32"), (1, 1, "copy", "bf16"), (1, 1, "copy", "fp16")]
 # granular offload levels by layer number: a PipelineModule's spec index (the embedding is 0, the blocks 1-4, the
 # head 5). A pseudo stage's tied set is planned as the layer of its first spec on the stage (1 on stage 0, 3 on
 # stage 1), the other layers' entries wait for the real stage. "spanning": groups 1, the set both stages hold at
@@ -235,6 +243,11 @@ def check(result):
            f"{result['dtype']}")
     assert result["pre"] == result["post"], f"{tag}: loss changed across the delink {result['pre']} -> {result['post']}"
     assert not result["masters_differ"], f"{tag}: masters not carried: {result['masters_differ']}"
+    # the loss scaler (fp16's dynamic scale; a constant one otherwise) goes on across the delink: in fp16 2**8,
+    # doubled at steps 3 and 5 (window 2), its step counter the run's
+    assert result["scaler_post"] == result["scaler_pre"], f"{tag}: {result['scaler_pre']} -> {result['scaler_post']}"
+    if result["dtype"] == "fp16":
+        assert result["scaler_end"]["cur_scale"] == 2**10 and result["scaler_end"]["cur_iter"] == STEPS, tag
     assert result["moments_ok"], f"{tag}: moments not carried per policy ({result['probe']})"
     assert result["adam_step"] == result["pseudo_adam_step"] == SWITCH, tag
     assert result["final_stage"] == "real" and result["global_steps"] == STEPS, tag
@@ -254,6 +267,9 @@ def check(result):
     assert pseudo["losses"] == result["losses"][2:], f"{tag}: resumed from pseudo {pseudo} vs {result['losses']}"
     assert (real["stage"], real["step"]) == ("real", 5), f"{tag}: {real}"
     assert real["losses"] == result["losses"][5:], f"{tag}: resumed from real {real} vs {result['losses']}"
+    # resumed in either stage, the scaler ends where the uninterrupted run's does (fp16 losses would not show a
+    # wrong power-of-two scale: it cancels exactly unless a gradient overflows)
+    assert pseudo["scaler_end"] == real["scaler_end"] == result["scaler_end"], f"{tag}: {pseudo} {real}"
 
 
 if __name__ == "__main__":
