@@ -261,10 +261,12 @@ def test_m6_10t_v100_config_plans_fp16_within_32_gib(capsys):
     moments; the overflow check allocates nothing in proportion): the real model's plan is offload_m6_10t.json's
     (bf16) row for row, 29.39 GiB per GPU, and the pseudo model fits without offload. The job's start-up check
     accepts the config on 512 ranks, and benchmarks/results/m6_10t_v100_plan.txt holds what the commands print."""
-    from launch.train import parse_args, read_job
+    from launch.job import read_job
+    from launch.train import parse_args
 
     config = str(REPO / "configs" / "m6_10t_v100.json")
-    job = read_job(parse_args(["--check", config, "--world-size", "512"]), 512)
+    # the shipped config names no dataset: the check of the model's shape takes the demo corpus explicitly
+    job = read_job(parse_args(["--check", config, "--world-size", "512", "--allow-demo-corpus"]), 512)
     assert job.config.training.dtype == "fp16" and job.config.training.zero_stage == 1
     stored = (REPO / "benchmarks" / "results" / "m6_10t_v100_plan.txt").read_text()
     printed = {}
