@@ -134,14 +134,16 @@ class _Write:
 
 @dataclasses.dataclass
 class _Lifetime:
-    """A device storage: the op and stream that made it, the other streams that used it (id -> (stream, index of
-    the last work that did)) and those it was recorded on (``record_stream``)."""
+    """A device storage's block: the op and stream that made it, the other streams that used it (id -> (stream, index
+    of the last work that did)), those it was recorded on (``record_stream``), and whether it was freed (its storage
+    resized to 0 frees it; resized up again, it is a new block of the then current stream)."""
 
     op: str
     shape: tuple
     stream: "FakeStream"
     uses: Dict[int, tuple] = dataclasses.field(default_factory=dict)
     recorded: set = dataclasses.field(default_factory=set)
+    freed: bool = False
 
 
 @dataclasses.dataclass
@@ -567,8 +569,9 @@ class FakeGpuRank:
         """CUDA's caching allocator gives a freed block back to the stream it was allocated on, whose next
         allocations reuse it at once: every other stream that used it must have been recorded on it
         (``record_stream``) or waited for, by that stream or the host, before it was freed."""
-        if not self._open:
+        if not self._open or life.freed:
             return
+        life.freed = True
         for stream, index in life.uses.values():
             if id(stream) in life.recorded or max(life.stream.waited.get(id(stream), 0),
                                                   self.host.waited.get(id(stream), 0)) >= index:
@@ -576,6 +579,19 @@ class FakeGpuRank:
             self.unsafe_frees.append(f"a tensor of shape {life.shape} made by {life.op} on {life.stream}, used on "
                                      f"{stream} and freed before that use was waited for or recorded "
                                      f"(record_stream)")
+
+    def _resize_storage(self, storage, nbytes: int):
+        """``UntypedStorage.resize_``: to 0 frees a device storage's block (as CUDA's caching allocator frees it), up
+        from 0 allocates a new one on the current stream of its device."""
+        life, before = getattr(storage, _LIFE_TAG, None), storage.nbytes()
+        if life is not None and before and not nbytes:
+            self._freed(life)
+        result = _ORIGINAL_RESIZE(storage, nbytes)
+        if life is not None and nbytes and not before:
+            life.stream, life.freed = self.current_stream(getattr(storage, _DEVICE_TAG)), False
+            life.uses.clear()
+            life.recorded.clear()
+        return result
 
     def ordered(self, op: str, tensors: List[torch.Tensor], written: List[torch.Tensor],
                 device: Optional[torch.device]) -> None:
@@ -731,6 +747,7 @@ class FakeGpuRank:
                     else -1)
         self._patch(torch.Tensor, "type", _fake_type)
         self._patch(torch.Tensor, "record_stream", lambda t, stream: self._record_stream(t, stream))
+        self._patch(torch.UntypedStorage, "resize_", lambda storage, nbytes: self._resize_storage(storage, nbytes))
         self._patch(torch.Tensor, "grad", property(_BASE_GRAD.__get__, _set_grad))
         try:
             from deepspeed.accelerator import real_accelerator
@@ -876,6 +893,7 @@ def fake_cuda_accelerator(rank: "FakeGpuRank"):
 
 
 _ORIGINAL_TO = torch.Tensor.to
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
 _ORIGINAL_TYPE = torch.Tensor.type
 
 
