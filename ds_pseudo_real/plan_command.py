@@ -53,8 +53,9 @@ def m6_model_size(section: M6Section, given: Optional[ModelSize]) -> ModelSize:
                         expert_params=m6.expert_parameters_per_layer(arch, expert_parallel),
                         expert_parallel=expert_parallel, other_params=m6.embedding_parameters(arch),
                         shared_groups=given.shared_groups if given else None)
-    if given is not None and (given.num_layers, given.layer_params + given.expert_params, given.other_params) != \
-            (derived.num_layers, derived.layer_params + derived.expert_params, derived.other_params):
+    if given is not None and ((given.num_layers, given.layer_params + given.expert_params, given.other_params)
+                              != (derived.num_layers, derived.layer_params + derived.expert_params,
+                                  derived.other_params)):
         raise ConfigError(
             f"invalid config:\n  granular_offload.model: got {given.num_layers} layers of "
             f"{given.layer_params + given.expert_params} parameters and {given.other_params} others per rank; the m6 "

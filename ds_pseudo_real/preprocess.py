@@ -188,9 +188,7 @@ class Progress:
         self.stream.flush()
 
 
-def preprocess(input_path: str, output_prefix: str, tokenizer: str = BYTES, json_key: str = "text",
-               workers: int = 1, eod_token: Optional[str] = None, progress_stream=sys.stderr) -> dict:
-    """Tokenize ``input_path`` into ``output_prefix``.{bin,idx,json}; returns the description written."""
+def _indexed_dataset_builder():
     from .indexed_data import quiet_megatron_import
 
     try:
@@ -199,22 +197,15 @@ def preprocess(input_path: str, output_prefix: str, tokenizer: str = BYTES, json
     except ImportError as error:
         raise PreprocessError("preprocess writes with megatron.core's IndexedDatasetBuilder: "
                               "pip install 'ds_pseudo_real[data]'") from error
+    return IndexedDatasetBuilder
 
-    source = Path(input_path)
-    if not source.is_file():
-        raise PreprocessError(f"--input {input_path}: no such file")
-    if workers < 1:
-        raise PreprocessError(f"--workers must be >= 1, got {workers}")
-    tok = load_tokenizer(tokenizer, eod_token)  # fails here, in the parent, on a bad tokenizer
-    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    dtype = token_dtype(tok.vocab_size)
-    tmp_bin, tmp_idx = output_prefix + ".bin.partial", output_prefix + ".idx.partial"
-    builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
+
+def _add_documents(builder, source: Path, json_key: str, tokenizer: str, eod_token: Optional[str], workers: int,
+                   progress: Progress) -> Tuple[int, int]:
+    """Every document of ``source`` tokenized (by ``workers`` processes) into ``builder``: (documents, tokens)."""
     documents = tokens = 0
-    progress = Progress(source.stat().st_size, progress_stream)
-    start = time.perf_counter()
-    pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer, eod_token)) \
-        if workers > 1 else None
+    pool = (multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer, eod_token))
+            if workers > 1 else None)
     try:
         if pool is None:
             _init_worker(tokenizer, eod_token)
@@ -228,6 +219,30 @@ def preprocess(input_path: str, output_prefix: str, tokenizer: str = BYTES, json
                         documents += 1
                         tokens += array.size
                 progress.update(block[-1][1], documents, tokens)
+    finally:
+        if pool is not None:
+            pool.terminate()
+    return documents, tokens
+
+
+def preprocess(input_path: str, output_prefix: str, tokenizer: str = BYTES, json_key: str = "text",
+               workers: int = 1, eod_token: Optional[str] = None, progress_stream=sys.stderr) -> dict:
+    """Tokenize ``input_path`` into ``output_prefix``.{bin,idx,json}; returns the description written."""
+    builder_class = _indexed_dataset_builder()
+    source = Path(input_path)
+    if not source.is_file():
+        raise PreprocessError(f"--input {input_path}: no such file")
+    if workers < 1:
+        raise PreprocessError(f"--workers must be >= 1, got {workers}")
+    tok = load_tokenizer(tokenizer, eod_token)  # fails here, in the parent, on a bad tokenizer
+    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tok.vocab_size)
+    tmp_bin, tmp_idx = output_prefix + ".bin.partial", output_prefix + ".idx.partial"
+    builder = builder_class(tmp_bin, dtype=dtype)
+    progress = Progress(source.stat().st_size, progress_stream)
+    start = time.perf_counter()
+    try:
+        documents, tokens = _add_documents(builder, source, json_key, tokenizer, eod_token, workers, progress)
         if documents == 0:
             raise PreprocessError(f"--input {input_path}: no documents (every line is empty)")
         builder.finalize(tmp_idx)
@@ -237,9 +252,6 @@ def preprocess(input_path: str, output_prefix: str, tokenizer: str = BYTES, json
             if os.path.exists(path):
                 os.remove(path)
         raise
-    finally:
-        if pool is not None:
-            pool.terminate()
     progress.update(progress.total, documents, tokens, final=True)
     os.replace(tmp_bin, output_prefix + ".bin")
     os.replace(tmp_idx, output_prefix + ".idx")

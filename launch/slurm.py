@@ -42,8 +42,8 @@ DEFAULT_SCRIPT = REPO / "launch" / "train.py"
 SCRIPT_NAME = "submit.sbatch"
 SIGNAL_SLACK_S = 60
 
-_TIME_FORMATS = "MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES, " \
-                "DAYS-HOURS:MINUTES:SECONDS or UNLIMITED"
+_TIME_FORMATS = ("MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES, "
+                 "DAYS-HOURS:MINUTES:SECONDS or UNLIMITED")
 
 
 def time_limit_seconds(value: str) -> Optional[int]:
@@ -141,10 +141,36 @@ class JobSpec:
                 str(self.nodes * self.tasks_per_node), *self.train_args]
 
 
-def sbatch_script(spec: JobSpec) -> str:
-    """The sbatch script for ``spec`` (pure: same spec, same text)."""
-    q = shlex.quote
-    directives = [
+# The script's end: the traps that pass USR1 on to the ranks, the wait for them, and the requeue after a USR1 once
+# a newer checkpoint was saved.
+_WAIT_AND_REQUEUE = [
+    "SRUN_PID=$!",
+    'SIGNALLED=""',
+    "# USR1 comes to this shell alone (--signal=B:..., scancel --batch): pass it to srun, which passes it to",
+    "# every rank. SIGTERM (preemption, scancel) already reaches every rank from SLURM: only note it.",
+    "trap 'SIGNALLED=USR1; echo \"got SIGUSR1: asking the ranks to checkpoint\"; kill -USR1 $SRUN_PID' USR1",
+    "trap 'SIGNALLED=TERM; echo \"got SIGTERM\"' TERM",
+    "while :; do",
+    '    wait "$SRUN_PID"; STATUS=$?',
+    '    kill -0 "$SRUN_PID" 2>/dev/null || break',
+    "done",
+    'echo "ranks exited with status $STATUS at $(date -Is)"',
+    'LATEST_AFTER=$(cat "$RUN_DIR/checkpoints/latest" 2>/dev/null)',
+    'if [ "$SIGNALLED" = USR1 ] && [ "$REQUEUE" = 1 ]; then',
+    "    # Requeue only after progress: a run that cannot reach its next checkpoint would otherwise loop forever.",
+    '    if [ "$STATUS" = 0 ] && [ -n "$LATEST_AFTER" ] && [ "$LATEST_AFTER" != "$LATEST_BEFORE" ]; then',
+    '        echo "requeueing job $SLURM_JOB_ID to resume from checkpoint $LATEST_AFTER"',
+    '        scontrol requeue "$SLURM_JOB_ID"',
+    "    else",
+    '''        echo "not requeueing: status $STATUS, latest checkpoint '$LATEST_AFTER' (before: '$LATEST_BEFORE')"''',
+    "    fi",
+    "fi",
+    'exit "$STATUS"',
+]
+
+
+def _directives(spec: JobSpec) -> List[str]:
+    return [
         f"--job-name={spec.job_name}",
         f"--partition={spec.partition}",
         f"--nodes={spec.nodes}",
@@ -161,17 +187,26 @@ def sbatch_script(spec: JobSpec) -> str:
         "--requeue" if spec.requeue else "--no-requeue",
         *spec.sbatch_options,
     ]
+
+
+def _srun_command_lines(spec: JobSpec) -> List[str]:
+    """The training step: srun, the per-rank environment wrapper and the trainer, one option group a line."""
     # SLURM >= 22.05 no longer passes the job's --cpus-per-task on to srun; say it again on the step.
     srun = ["srun", "--kill-on-bad-exit=1", "--open-mode=append", f"--output={spec.logs_dir}/rank-%t.log",
             *([f"--cpus-per-task={spec.cpus_per_task}"] if spec.cpus_per_task else [])]
     wrapper = [spec.python, "-m", "launch.dist_env", "--"]
-    command_lines = [shlex.join(srun), shlex.join(wrapper), *map(shlex.join, _option_groups(spec.train_command()))]
+    return [shlex.join(srun), shlex.join(wrapper), *map(shlex.join, _option_groups(spec.train_command()))]
+
+
+def sbatch_script(spec: JobSpec) -> str:
+    """The sbatch script for ``spec`` (pure: same spec, same text)."""
+    q = shlex.quote
     check = spec.check_command()
     lines = [
         "#!/bin/bash",
         "# Written by `python -m launch.slurm submit`; `sbatch` this file again to resume the run from its latest",
         "# checkpoint (the trainer resumes from $RUN_DIR/checkpoints by itself).",
-        *[f"#SBATCH {d}" for d in directives],
+        *[f"#SBATCH {d}" for d in _directives(spec)],
         "",
         f"RUN_DIR={q(str(spec.output_dir))}",
         f"REQUEUE={int(spec.requeue)}",
@@ -189,29 +224,8 @@ def sbatch_script(spec: JobSpec) -> str:
         "",
         # srun runs in the background so that the shell's traps fire while the ranks train (bash runs a trap only
         # between commands, and `wait` is interruptible).
-        " \\\n    ".join(command_lines) + " &",
-        "SRUN_PID=$!",
-        'SIGNALLED=""',
-        "# USR1 comes to this shell alone (--signal=B:..., scancel --batch): pass it to srun, which passes it to",
-        "# every rank. SIGTERM (preemption, scancel) already reaches every rank from SLURM: only note it.",
-        "trap 'SIGNALLED=USR1; echo \"got SIGUSR1: asking the ranks to checkpoint\"; kill -USR1 $SRUN_PID' USR1",
-        "trap 'SIGNALLED=TERM; echo \"got SIGTERM\"' TERM",
-        "while :; do",
-        '    wait "$SRUN_PID"; STATUS=$?',
-        '    kill -0 "$SRUN_PID" 2>/dev/null || break',
-        "done",
-        'echo "ranks exited with status $STATUS at $(date -Is)"',
-        'LATEST_AFTER=$(cat "$RUN_DIR/checkpoints/latest" 2>/dev/null)',
-        'if [ "$SIGNALLED" = USR1 ] && [ "$REQUEUE" = 1 ]; then',
-        "    # Requeue only after progress: a run that cannot reach its next checkpoint would otherwise loop forever.",
-        '    if [ "$STATUS" = 0 ] && [ -n "$LATEST_AFTER" ] && [ "$LATEST_AFTER" != "$LATEST_BEFORE" ]; then',
-        '        echo "requeueing job $SLURM_JOB_ID to resume from checkpoint $LATEST_AFTER"',
-        '        scontrol requeue "$SLURM_JOB_ID"',
-        "    else",
-        '''        echo "not requeueing: status $STATUS, latest checkpoint '$LATEST_AFTER' (before: '$LATEST_BEFORE')"''',
-        "    fi",
-        "fi",
-        'exit "$STATUS"',
+        " \\\n    ".join(_srun_command_lines(spec)) + " &",
+        *_WAIT_AND_REQUEUE,
     ]
     return "\n".join(lines) + "\n"
 

@@ -34,51 +34,67 @@ def include_in_gradient_norm(engine, extra_norm: Callable[[bool], torch.Tensor])
     """
     optimizer = engine.optimizer
     if hasattr(optimizer, "scaled_global_norm"):
-        original = optimizer.scaled_global_norm
-        scaled = {}
-
-        def scaled_global_norm(norm_type=2):
-            norm = original(norm_type)
-            scaled["norm"] = combine_grad_norm_groups([norm, extra_norm(True).to(norm.device)], norm_type=norm_type)
-            return scaled["norm"]
-
-        optimizer.scaled_global_norm = scaled_global_norm
-        return lambda: (scaled.get("norm"), optimizer.loss_scale)
+        return _fold_into_zero_norm(optimizer, extra_norm)
     if hasattr(optimizer, "get_grads_for_norm") and hasattr(optimizer, "bf16_groups"):
-        original = optimizer.get_grads_for_norm
-
-        def get_grads_for_norm(for_clipping=False):
-            grads = original(for_clipping=for_clipping)
-            if for_clipping:
-                return grads
-            dense, experts = grads
-            device = dense[0].device if dense else torch.device("cpu")
-            return dense + [extra_norm(False).to(device).reshape(1)], experts
-
-        optimizer.get_grads_for_norm = get_grads_for_norm
-        return lambda: (optimizer._global_grad_norm, 1.0)
+        return _fold_into_bf16_norm(optimizer, extra_norm)
     if hasattr(optimizer, "unscale_and_clip_grads") and hasattr(optimizer, "fp32_groups"):
-        # stage-0 unfused optimizer (bf16 or fp16 with a client optimizer): it decides on overflow (``overflow_checker``)
-        # before it takes the norm, so the extra norm, taken once per step, joins that decision first
-        checker, original_check = optimizer.overflow_checker, optimizer.overflow_checker.check
-        original = optimizer.unscale_and_clip_grads
-        extra = {}
-
-        def check(*args, **kwargs):
-            extra["norm"] = float(extra_norm(True))
-            return original_check(*args, **kwargs) or not math.isfinite(extra["norm"])
-
-        def unscale_and_clip_grads(total_norm, apply_scale=True):
-            norm = extra.pop("norm") if "norm" in extra else float(extra_norm(True))
-            total_norm = float(torch.tensor([total_norm, norm]).norm())
-            optimizer._global_grad_norm = total_norm
-            return original(total_norm, apply_scale)
-
-        checker.check = check
-        optimizer.unscale_and_clip_grads = unscale_and_clip_grads
-        return lambda: (optimizer._global_grad_norm, optimizer.loss_scale_config.cur_scale)
+        return _fold_into_unfused_norm(optimizer, extra_norm)
     raise TypeError(f"granular_offload: cannot fold gradients into the global norm of {type(optimizer).__name__} "
                     f"(written against DeepSpeed 0.19.8's ZeRO 1/2, bf16 and stage-0 unfused optimizers)")
+
+
+def _fold_into_zero_norm(optimizer, extra_norm: Callable[[bool], torch.Tensor]) -> Callable[[], Tuple[Any, float]]:
+    """ZeRO 1/2: the extra norm combined with the group norms in ``scaled_global_norm()``."""
+    original = optimizer.scaled_global_norm
+    scaled = {}
+
+    def scaled_global_norm(norm_type=2):
+        norm = original(norm_type)
+        scaled["norm"] = combine_grad_norm_groups([norm, extra_norm(True).to(norm.device)], norm_type=norm_type)
+        return scaled["norm"]
+
+    optimizer.scaled_global_norm = scaled_global_norm
+    return lambda: (scaled.get("norm"), optimizer.loss_scale)
+
+
+def _fold_into_bf16_norm(optimizer, extra_norm: Callable[[bool], torch.Tensor]) -> Callable[[], Tuple[Any, float]]:
+    """The bf16 optimizer: a one-element tensor holding this rank's part of the extra norm among the tensors
+    ``get_grads_for_norm()`` lists."""
+    original = optimizer.get_grads_for_norm
+
+    def get_grads_for_norm(for_clipping=False):
+        grads = original(for_clipping=for_clipping)
+        if for_clipping:
+            return grads
+        dense, experts = grads
+        device = dense[0].device if dense else torch.device("cpu")
+        return dense + [extra_norm(False).to(device).reshape(1)], experts
+
+    optimizer.get_grads_for_norm = get_grads_for_norm
+    return lambda: (optimizer._global_grad_norm, 1.0)
+
+
+def _fold_into_unfused_norm(optimizer, extra_norm: Callable[[bool], torch.Tensor]) -> Callable[[], Tuple[Any, float]]:
+    """The stage-0 unfused optimizer (bf16 or fp16 with a client optimizer): it decides on overflow
+    (``overflow_checker``) before it takes the norm, so the extra norm, taken once per step, joins that decision
+    first, then the norm ``unscale_and_clip_grads`` is given."""
+    checker, original_check = optimizer.overflow_checker, optimizer.overflow_checker.check
+    original = optimizer.unscale_and_clip_grads
+    extra = {}
+
+    def check(*args, **kwargs):
+        extra["norm"] = float(extra_norm(True))
+        return original_check(*args, **kwargs) or not math.isfinite(extra["norm"])
+
+    def unscale_and_clip_grads(total_norm, apply_scale=True):
+        norm = extra.pop("norm") if "norm" in extra else float(extra_norm(True))
+        total_norm = float(torch.tensor([total_norm, norm]).norm())
+        optimizer._global_grad_norm = total_norm
+        return original(total_norm, apply_scale)
+
+    checker.check = check
+    optimizer.unscale_and_clip_grads = unscale_and_clip_grads
+    return lambda: (optimizer._global_grad_norm, optimizer.loss_scale_config.cur_scale)
 
 
 def drop_gradients_with(engine, drop: Callable[[], None]) -> None:
@@ -114,5 +130,5 @@ def steps_when_built(engine) -> bool:
     """True when the engine's optimizer stepped its client optimizer once with zero gradients while it was built
     (DeepSpeed 0.19.8's stage-0 unfused optimizer, bf16 or fp16: ``initialize_optimizer_states``)."""
     optimizer = engine.optimizer
-    return hasattr(optimizer, "initialize_optimizer_states") and hasattr(optimizer, "fp32_groups") \
-        and not hasattr(optimizer, "bf16_groups")
+    return (hasattr(optimizer, "initialize_optimizer_states") and hasattr(optimizer, "fp32_groups")
+            and not hasattr(optimizer, "bf16_groups"))

@@ -81,8 +81,8 @@ def filesystem_type(path: str) -> Optional[str]:
         with open("/proc/mounts") as mounts:
             for line in mounts:
                 fields = line.split()
-                if len(fields) >= 3 and (path == fields[1] or path.startswith(fields[1].rstrip("/") + "/")) \
-                        and len(fields[1]) >= len(best):
+                if (len(fields) >= 3 and (path == fields[1] or path.startswith(fields[1].rstrip("/") + "/"))
+                        and len(fields[1]) >= len(best)):
                     best, kind = fields[1], fields[2]
     except OSError:
         return None
@@ -194,8 +194,8 @@ def _written_for(owner: object, attribute: str) -> bool:
     from packaging.version import Version
 
     low, high = SUPPORTED_VERSIONS["deepspeed"]
-    return Version(low) <= Version(Version(deepspeed.__version__).base_version) < Version(high) and \
-        hasattr(owner, attribute)
+    return (Version(low) <= Version(Version(deepspeed.__version__).base_version) < Version(high)
+            and hasattr(owner, attribute))
 
 
 def _patch(owner: object, attribute: str, replacement: object) -> None:
@@ -218,8 +218,8 @@ def skip_inference_all_reduce_op() -> None:
     process that only trains (the main job): its backend is made without it. Idempotent."""
     # by its name: ``import deepspeed.comm.torch as ...`` binds the attribute deepspeed.comm.torch, which is torch
     torch_backend = importlib.import_module("deepspeed.comm.torch")
-    if _written_for(torch_backend, "build_shm_op") and \
-            not getattr(torch_backend.build_shm_op, "ds_pseudo_real_patch", False):
+    if (_written_for(torch_backend, "build_shm_op")
+            and not getattr(torch_backend.build_shm_op, "ds_pseudo_real_patch", False)):
         def build_shm_op():
             return None
 

@@ -189,8 +189,8 @@ class OwnGradients:
             dist.all_reduce(experts, group=self.reduce_group)
             squares[True] = experts.to(HOST)
         total = squares[False] + squares[True]
-        if sum_model_parallel and self.model_parallel_group is not None \
-                and dist.get_world_size(self.model_parallel_group) > 1:
+        if (sum_model_parallel and self.model_parallel_group is not None
+                and dist.get_world_size(self.model_parallel_group) > 1):
             total = total.to(self.host.device)
             dist.all_reduce(total, group=self.model_parallel_group)
             total = total.to(HOST)

@@ -605,8 +605,8 @@ def describe_plan(plan: OffloadPlan) -> str:
     runs: List[List[GroupPlacement]] = []
     for p in plan.placements:
         last = runs[-1][-1] if runs else None
-        if last and last.level is p.level and last.group.numel == p.group.numel and last.group.is_layer \
-                and p.group.is_layer and last.group.name.split(".")[1:] == p.group.name.split(".")[1:]:
+        if (last and last.level is p.level and last.group.numel == p.group.numel and last.group.is_layer
+                and p.group.is_layer and last.group.name.split(".")[1:] == p.group.name.split(".")[1:]):
             runs[-1].append(p)
         else:
             runs.append([p])

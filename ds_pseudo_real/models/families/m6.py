@@ -48,8 +48,8 @@ def m6_spec(section: M6Section, flags: Mapping[str, Optional[int]], vocab_size: 
     if section.vocab_size is not None and section.vocab_size < vocab_size:
         raise ConfigError(f"m6.vocab_size: got {section.vocab_size}; the data's tokenizer has {vocab_size} tokens")
     preset = PRESETS.get(section.preset)
-    replaced = preset.vocab_size if preset and section.vocab_size is None and preset.vocab_size != vocab_size \
-        else None
+    replaced = (preset.vocab_size if preset and section.vocab_size is None and preset.vocab_size != vocab_size
+                else None)
     overrides = {"vocab_size": section.vocab_size or vocab_size}
     if flags.get("seq_len") is not None:
         overrides["seq_length"] = flags["seq_len"]
