@@ -31,7 +31,7 @@ setup(
         "ds_pseudo_real.commands": [
             "train=launch.train:main",
             "preprocess=ds_pseudo_real.preprocess:main",
-            "convert=ds_pseudo_real.convert:main",
+            "convert=ds_pseudo_real.checkpointing.convert:main",
             "plan=ds_pseudo_real.plan_command:main",
             "slurm=launch.slurm:main",
             "hostfile=launch.hostfile:main",

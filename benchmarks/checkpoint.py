@@ -82,8 +82,9 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import ds_pseudo_real
-    from ds_pseudo_real import checkpoint as ckpt
     from ds_pseudo_real import ds_state
+    from ds_pseudo_real.checkpointing.verify import verify
+    from ds_pseudo_real.ranks import barrier, gather
     from ds_pseudo_real.models import GPT, GPTConfig
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -111,13 +112,13 @@ def worker(args) -> None:
     root = Path(args.root)
 
     def slowest(seconds: float) -> float:
-        return max(ckpt.gather(seconds))
+        return max(gather(seconds))
 
     def fresh(folder: Path) -> str:
-        ckpt.barrier()
+        barrier()
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
-        ckpt.barrier()
+        barrier()
         return str(folder)
 
     def save(arm: str, folder: str, tag: str):
@@ -153,16 +154,16 @@ def worker(args) -> None:
             folder = fresh(root / arm)
             if args.sync_between_arms:  # the arm before's dirty pages written out now, not during this arm's save
                 os.sync()
-            ckpt.barrier()
+            barrier()
             blocked, total = save(arm, folder, "t")
             times[arm]["blocked"].append(slowest(blocked))
             times[arm]["total"].append(slowest(total))
-        verdict = ckpt.verify(str(root / "plugin_sync"), "t", "checksum")
+        verdict = verify(str(root / "plugin_sync"), "t", "checksum")
         assert verdict.ok, verdict.problems
         nbytes = verdict.nbytes
         if world == 1 and times is measured:
             load["verify_checksum"].append(verdict.seconds)
-            load["verify_size"].append(ckpt.verify(str(root / "plugin_sync"), "t", "size").seconds)
+            load["verify_size"].append(verify(str(root / "plugin_sync"), "t", "size").seconds)
             start = time.perf_counter()
             ds.load_checkpoint(str(root / "plugin_sync"), "t")
             load["deepspeed_load"].append(time.perf_counter() - start)
@@ -181,7 +182,7 @@ def worker(args) -> None:
         folder = fresh(root / "loop")
         for _ in range(2):  # warm: the first steps after the saves above, and the first snapshot's buffers
             step()
-        ckpt.barrier()
+        barrier()
         start, blocked, waits, saves = time.perf_counter(), [], 0, 0
         for i in range(1, args.loop_steps + 1):
             step()
@@ -204,8 +205,8 @@ def worker(args) -> None:
         engine.wait_for_checkpoints()
         seconds = slowest(time.perf_counter() - start)
         loop[mode] = {"steps_per_s": args.loop_steps / seconds, "saves": saves,
-                      "waits_for_a_save_in_flight": max(ckpt.gather(waits)),
-                      "median_blocked_s": max(ckpt.gather(median(blocked) if blocked else 0.0))}
+                      "waits_for_a_save_in_flight": max(gather(waits)),
+                      "median_blocked_s": max(gather(median(blocked) if blocked else 0.0))}
         if rank == 0:
             print(f"{args.size} x {world}: loop with saves '{mode}' every {args.save_every} steps: "
                   f"{loop[mode]['steps_per_s']:.3f} steps/s", flush=True)

@@ -1,7 +1,7 @@
 """The engine users hold: a DeepSpeed engine stand-in that runs the callbacks and delinks when they say so.
 
 Owns: proxying the current engine, ``step`` with the stage's LR factor, the callbacks, and the run's state. Must not
-build engines (``stages`` does) nor read or write checkpoints (``checkpoint_io`` does); it hands them what they need.
+build engines (``stages`` does) nor read or write checkpoints (``checkpointing`` does); it hands them what they need.
 """
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from .callbacks import PSEUDO, REAL, CallbackList, RunState, TrainingCallback, TrainingControl, TrainingState
-from .checkpoint_io import CheckpointIO
+from .checkpointing.engine_io import Checkpoints
 from .config import SECTION, PlateauMetric
 from .device import use_rank_device
-from .rank0 import log_rank0
 from .pipeline import stage_builder
+from .ranks import log_rank0
 from .run_config import RunConfig
 from .transition import StageTransitionCallback, lr_factor
 
@@ -104,8 +104,8 @@ class PseudoToRealController:
         self._lr_factor = 1.0
         self.last_transition: Optional[Dict[str, Any]] = None
         self.training_dataloader = self._stages.start(self.state.stage, training_data, collate_fn)
-        self._checkpoints = CheckpointIO(self._stages, self._run, self.checkpoint_options,
-                                         pseudo_to_real=ptr_config.enabled)
+        self._checkpoints = Checkpoints(self._stages, self._run, self.checkpoint_options,
+                                        pseudo_to_real=ptr_config.enabled)
         self.callbacks.fire("on_train_begin", self.state, self.control)
 
     # ---- what the parts hold -------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ class PseudoToRealController:
         is copied to host memory (after waiting for the checkpoint still in flight, if any); the rest happens in the
         background, and a failure there is raised by a later ``step``, save or :meth:`wait_for_checkpoints`. A
         ``tag`` that names another run's checkpoint is refused before anything is written, and so is every save once
-        the folder's lock file names another run (:class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank).
+        the folder's lock file names another run (:class:`~ds_pseudo_real.checkpointing.CheckpointError` on every rank).
         A failed write on any rank raises CheckpointError on every rank, naming the file and the last good
         checkpoint; the partial folder is removed and training can go on (a later save can succeed once the cause
         is gone)."""
@@ -287,7 +287,7 @@ class PseudoToRealController:
 
     def wait_for_checkpoints(self) -> None:
         """With ``checkpoint.async_save``: block until the checkpoint being written in the background is published
-        (collective), raising its failure as :class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank. Call
+        (collective), raising its failure as :class:`~ds_pseudo_real.checkpointing.CheckpointError` on every rank. Call
         it before the process ends, or that checkpoint is lost (the previous one stays the one to resume from). A
         no-op for synchronous saves."""
         self._checkpoints.wait("the run goes on")
@@ -303,13 +303,25 @@ class PseudoToRealController:
         """Resume from a checkpoint of either stage (or a converted one); becomes real first when it is a real one.
 
         ``tag`` None: the newest checkpoint in ``load_dir`` that verifies (damaged newer ones are moved aside with a
-        warning; :class:`~ds_pseudo_real.checkpoint.CheckpointError` when checkpoints exist but none verifies);
+        warning; :class:`~ds_pseudo_real.checkpointing.CheckpointError` when checkpoints exist but none verifies);
         ``(None, {})`` when ``load_dir`` holds none. ``tag`` given (a tag in ``load_dir`` or the path of a checkpoint
         folder): that one, which must verify. ``verify`` overrides ``checkpoint.verify`` (checksum, size, none).
         The run then goes on as the checkpoint's run (its saves may replace that run's later checkpoints); with
         ``tag`` None, rank 0 first takes ``load_dir``'s lock, as the first save there does.
         """
-        return self._checkpoints.load(load_dir, tag, verify=verify, **kwargs)
+        chosen = self._checkpoints.choose(load_dir, tag, verify)
+        if chosen is None:
+            return None, {}
+        stages = self._stages
+        stage = chosen.stage(stages.num_layers)
+        if chosen.converted:  # the model of its stage, built from its fp32 weights
+            stages.release()
+            stages.build(*stage, chosen.converted_weights(), self.state)
+            return self._checkpoints.restore_converted(chosen)
+        if stage != (stages.depth, stages.groups):  # a later stage's checkpoint: that stage's model first
+            stages.release()
+            stages.build(*stage, None, self.state)
+        return self._checkpoints.restore(chosen, **kwargs)
 
     def rewind_monitors(self) -> None:
         """Drop what DeepSpeed's TensorBoard and CSV monitors logged after the current step (an interrupted run's

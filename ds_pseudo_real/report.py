@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Optional
 DISCARDED = ".discarded"  # suffix of the file beside a log that keeps the lines rewinding it dropped
 RESUME = "resume"
 
-from .checkpoint import warn
+from .logs import logger
 
 
 class MetricsLog:
@@ -39,7 +39,8 @@ class MetricsLog:
                 rewrite_keeping(self.path, lines, [i for i in _history(records)
                                                    if records[i].get("step", 0) <= resume_step])
             except OSError as error:  # not even in place: readers still drop what the resume event supersedes
-                warn(f"could not rewind {self.path} to step {resume_step}: {error}; its later records stay in it")
+                logger.warning(f"could not rewind {self.path} to step {resume_step}: {error}; its later records stay "
+                               f"in it")
             self._line_cut = True  # a crash mid-write can have left the last line unfinished
             self.write({"event": RESUME, "step": resume_step})
 
@@ -78,8 +79,8 @@ class MetricsLog:
                 self._line_cut = True
             if not self._warned:
                 self._warned = True
-                warn(f"could not write {self.path}: {error}; training goes on without these records (later ones "
-                     f"are written once there is room; this warning is not repeated)")
+                logger.warning(f"could not write {self.path}: {error}; training goes on without these records "
+                               f"(later ones are written once there is room; this warning is not repeated)")
 
 
 def _has_room(folder: Path, size: int) -> bool:
@@ -148,8 +149,8 @@ def rewrite_keeping(path: Path, lines: List[str], kept: List[int]) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(staged)
     _shrink_in_place(path, lines, keep)
-    warn(f"could not rewind {path} through a copy ({failure}): rewound it in place; the {len(dropped)} lines it "
-         f"dropped are {f'kept in {aside}' if kept_aside else 'lost'}")
+    logger.warning(f"could not rewind {path} through a copy ({failure}): rewound it in place; the {len(dropped)} "
+                   f"lines it dropped are {f'kept in {aside}' if kept_aside else 'lost'}")
 
 
 def _append_whole(path: Path, lines: List[str]) -> None:

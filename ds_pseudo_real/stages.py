@@ -18,14 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checkpoint as ckpt
 from . import ds_state
 from .callbacks import PSEUDO, REAL, TrainingState
 from .carry import EngineProgress, carry_moments
 from .config import ConfigError, OptimizerStatePolicy, PseudoToRealConfig
 from .device import rank_device
 from .logs import logger
-from .rank0 import log_rank0
+from .ranks import log_rank0
 from .sharing import (
     apply_sharing,
     copy_with_parameters,
@@ -327,7 +326,7 @@ class StageBuilder:
             attach_to_engine(engine)
         if self._monitor is not None:  # one TensorBoard/CSV/W&B writer for the whole run, across the delink
             engine.monitor = self._monitor
-        ds_state.warn_on_failed_monitor_writes(engine, ckpt.warn)
+        ds_state.warn_on_failed_monitor_writes(engine, logger.warning)
         target = ds_state.basic_optimizer(engine)
         if target is not None:
             pre, post = self._step_hooks
@@ -423,79 +422,103 @@ class StageBuilder:
         the full fp32 weights and moments, release the engine, build the new model from them and its engine, carry
         steps, LR schedule and the optimizer state per ``pseudo_to_real.optimizer_state``; records the transition
         in ``state`` and returns (and logs) what was done."""
-        start = clock = time.perf_counter()
-        phases: Dict[str, float] = {}
-
-        def lap(name: str) -> None:  # seconds since the previous phase ended
-            nonlocal clock
-            now = time.perf_counter()
-            phases[name], clock = round(now - clock, 3), now
-
-        old_engine = self.engine
-        pseudo_numel = parameter_numel(old_engine.module)
-        pseudo_total = self._total_parameter_numel(old_engine.module)
-        pseudo_memory = ds_state.memory_report(old_engine)
-        pseudo_plan = self.offload_plan
-        weights, moments = ds_state.gather_full_state(old_engine, self._policy != OptimizerStatePolicy.RESET.value,
-                                                      GATHERED_ON)
-        weights, moments = self._by_mapped_name(weights), self._by_mapped_name(moments)
+        laps = _Laps()
+        before = self._engine_facts(self.engine)
+        before["offload_plan"] = self.offload_plan
+        weights, moments, progress = self._gather_state()
         gathered = sum(t.numel() * t.element_size() for t in [
             *weights.values(), *(t for per in moments.values() for t in per.values())])
-        progress = EngineProgress.of(old_engine)
-        del old_engine
-        lap("gather")
+        laps.lap("gather")
         self.release()
-        lap("release")
+        laps.lap("release")
         old = (self.depth, self.groups)
-        (old_depth, old_groups), (new_depth, new_groups) = old, new
-        path = self._name_path
-        kept = [name for name in self._parameter_names()  # the skeleton's layers past the new depth are not in it
-                if layer_index_of(name, path) is None or layer_index_of(name, path) < new_depth]
-        sources = {name: source_parameter(name, path, old, new)[0] for name in kept}
-        # views (materialize copies them into place); a name missing from ``weights`` is a tie to another
-        # parameter outside the layers (e.g. a head tied to the embedding), which materialize fills through it
-        starts = Starts({name: weights[source] for name, source in sources.items() if source in weights},
-                        self._noise, path)
-        lap("starts")
-        phases.update(self.build(new_depth, new_groups, starts, state))
+        starts = self._starts(weights, old, new)
+        laps.lap("starts")
+        laps.phases.update(self.build(*new, starts, state))
         held = gathered + starts.peak_bytes  # the gathered state and, beside it, the largest noisy copy
         del weights, starts
-        clock = time.perf_counter()
+        laps.restart()
         return_freed_host_memory()  # the per-parameter tensors DeepSpeed flattened or partitioned, freed in the build
         state.transitions_done += 1
         engine = self.engine
         progress.give_to(engine)
 
         def source_of(name: str) -> Tuple[str, int]:  # the old model's parameter a new one starts from
-            return source_parameter(self._mapped_name(name), path, old, new)
+            return source_parameter(self._mapped_name(name), self._name_path, old, new)
 
         carried = carry_moments(engine, moments, progress.counters, self._policy, source_of) if moments else 0
-        lap("carry")  # steps, LR schedule and the optimizer state
+        laps.lap("carry")  # steps, LR schedule and the optimizer state
         state.switch_step = engine.global_steps
+        after = self._engine_facts(engine)
         report = {
             "step": engine.global_steps,
-            "seconds": round(time.perf_counter() - start, 3),
-            "groups_before": old_groups,
-            "groups_after": new_groups,
-            "layers_before": old_depth,
-            "layers_after": new_depth,
-            "parameters_before": pseudo_numel,  # this rank's
-            "parameters_after": parameter_numel(engine.module),
-            "parameters_before_total": pseudo_total,  # the model's, over every rank
-            "parameters_after_total": self._total_parameter_numel(engine.module),
+            "seconds": laps.total(),
+            "groups_before": old[1],
+            "groups_after": new[1],
+            "layers_before": old[0],
+            "layers_after": new[0],
+            "parameters_before": before["parameters"],  # this rank's
+            "parameters_after": after["parameters"],
+            "parameters_before_total": before["parameters_total"],  # the model's, over every rank
+            "parameters_after_total": after["parameters_total"],
             "optimizer_state": self._policy,
             "moments_carried": carried,
-            "memory_before": pseudo_memory,
-            "memory_after": ds_state.memory_report(engine),
+            "memory_before": before["memory"],
+            "memory_after": after["memory"],
             "rewarmup_steps": self._rewarmup_steps,
-            "phases": phases,
+            "phases": laps.phases,
             "gathered": {"device": str(GATHERED_ON), "bytes": gathered, "peak_bytes": held},
         }
-        if pseudo_plan is not None or self.offload_plan is not None:
-            report["offload_plan_before"] = pseudo_plan
+        if before["offload_plan"] is not None or self.offload_plan is not None:
+            report["offload_plan_before"] = before["offload_plan"]
             report["offload_plan_after"] = self.offload_plan
         log_transition(report)
         return report
+
+    def _engine_facts(self, engine) -> Dict[str, Any]:
+        """What a delink's report says of the engine before and after: its parameters (this rank's, the model's)
+        and this rank's memory."""
+        return {"parameters": parameter_numel(engine.module),
+                "parameters_total": self._total_parameter_numel(engine.module),
+                "memory": ds_state.memory_report(engine)}
+
+    def _gather_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]], EngineProgress]:
+        """The current engine's full fp32 weights and (unless the policy resets them) moments, on ``GATHERED_ON``
+        by the names of the skeleton, and where its training stands."""
+        engine = self.engine
+        weights, moments = ds_state.gather_full_state(engine, self._policy != OptimizerStatePolicy.RESET.value,
+                                                      GATHERED_ON)
+        return self._by_mapped_name(weights), self._by_mapped_name(moments), EngineProgress.of(engine)
+
+    def _starts(self, weights: Dict[str, torch.Tensor], old: Tuple[int, int], new: Tuple[int, int]) -> Starts:
+        """What each parameter of the ``new`` stage's model starts from: a view of the ``old`` one's weight it
+        copies (a name missing from ``weights`` is a tie to another parameter outside the layers, e.g. a head tied
+        to the embedding, which materialize fills through it)."""
+        path = self._name_path
+        kept = [name for name in self._parameter_names()  # the skeleton's layers past the new depth are not in it
+                if layer_index_of(name, path) is None or layer_index_of(name, path) < new[0]]
+        sources = {name: source_parameter(name, path, old, new)[0] for name in kept}
+        return Starts({name: weights[source] for name, source in sources.items() if source in weights},
+                      self._noise, path)
+
+
+class _Laps:
+    """The seconds of each phase of a delink, each since the previous one ended."""
+
+    def __init__(self):
+        self.start = self.clock = time.perf_counter()
+        self.phases: Dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name], self.clock = round(now - self.clock, 3), now
+
+    def restart(self) -> None:
+        """What runs from here to the next lap is that lap's alone (the build's phases are its own)."""
+        self.clock = time.perf_counter()
+
+    def total(self) -> float:
+        return round(time.perf_counter() - self.start, 3)
 
 
 def log_transition(report: Dict[str, Any]) -> None:

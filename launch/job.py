@@ -48,8 +48,8 @@ class Job:
 
     def describe(self, world: int) -> str:
         ptr = self.config.pseudo_to_real
-        switch = "Pseudo-to-Real off" if not ptr.enabled else \
-            f"stages (layers, parameter groups) {ptr.stages(self.spec.num_layers)}"
+        switch = ("Pseudo-to-Real off" if not ptr.enabled
+                  else f"stages (layers, parameter groups) {ptr.stages(self.spec.num_layers)}")
         return (f"{self.spec.describe()}; data: {self.config.data.describe()}; {self.steps} steps of {self.micro} x "
                 f"{self.gas} x {world} sequences; {switch}")
 

@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 import ds_pseudo_real
 from ds_pseudo_real import logs
-from ds_pseudo_real.checkpoint import CheckpointError, claim
+from ds_pseudo_real.checkpointing import CheckpointError, claim
 from ds_pseudo_real.checkpointing.policy import CheckpointPolicy
 from ds_pseudo_real.child_processes import end_children_with_this_process
 from ds_pseudo_real.config import ConfigError

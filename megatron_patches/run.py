@@ -17,7 +17,7 @@ Written against Megatron-LM's public training interface (tag core_v0.16.1):
 data_iterator, model, optimizer, opt_param_scheduler, config, ...)`` called by ``train()`` with the same model list
 and optimizer object every iteration, ``args.curr_iteration``, and the checkpoint layout
 ``<load>/latest_checkpointed_iteration.txt`` (an iteration or ``release``) with ``--ckpt-step``. The ``--save`` folder
-is held for the run's life as the main job holds its output folder (``ds_pseudo_real.checkpoint.claim``), and what
+is held for the run's life as the main job holds its output folder (``ds_pseudo_real.checkpointing.claim``), and what
 the drop-in refuses (its flags, the checkpoint to load, a folder in use) is one ``error:`` line from rank 0, exit 2.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ds_pseudo_real.checkpoint import CheckpointError, claim
+from ds_pseudo_real.checkpointing import CheckpointError, claim
 from ds_pseudo_real.config import OptimizerStatePolicy
 from ds_pseudo_real.logs import logger, quiet_libraries
 from megatron_patches import stage_copies
@@ -299,8 +299,8 @@ class PseudoToRealRun:
         small one holds no parameter, which Megatron's default checkpoint format refuses ("empty bucket
         encountered"). The pseudo stage then saves in the fully reshardable format (the pseudo model's state is
         small); the real stage in the one the command asks for."""
-        if run_args.use_distributed_optimizer and stage_copies.holds_copies(self.pseudo_chunks) \
-                and not run_args.dist_ckpt_optim_fully_reshardable:
+        if (run_args.use_distributed_optimizer and stage_copies.holds_copies(self.pseudo_chunks)
+                and not run_args.dist_ckpt_optim_fully_reshardable):
             run_args.dist_ckpt_optim_fully_reshardable = True
             self.restore_at_delink["dist_ckpt_optim_fully_reshardable"] = False
 

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from ds_pseudo_real import checkpoint as ckpt
-from ds_pseudo_real import run_lock
-from ds_pseudo_real.background_checkpoint import BackgroundSave
+from ds_pseudo_real import checksums
+from ds_pseudo_real.checkpointing import folders as ckpt
+from ds_pseudo_real.checkpointing import lock as run_lock
+from ds_pseudo_real.checkpointing.background import BackgroundSave
+from ds_pseudo_real.checkpointing.verify import verify
 from conftest import python_path, run_two_ranks
 from test_checkpoint_recovery import mount_tmpfs
 from test_checkpoints import SWITCH, TOTAL, make, train
@@ -30,13 +32,13 @@ SCRIPTS = Path(__file__).parent / "scripts"
 @pytest.fixture()
 def slow_writes(monkeypatch):
     """Every checkpoint file takes 0.3 s longer to write, so that the steps after a save run while it is written."""
-    real = ckpt.save_with_checksum
+    real = checksums.save_with_checksum
 
     def slow(save, path):
         time.sleep(0.3)
         return real(save, path)
 
-    monkeypatch.setattr(ckpt, "save_with_checksum", slow)
+    monkeypatch.setattr(checksums, "save_with_checksum", slow)
 
 
 def test_the_writer_sums_the_snapshot_while_it_writes_the_files(tmp_path):
@@ -103,7 +105,7 @@ def test_saves_in_quick_succession_and_around_the_delink_resume_exactly(tmp_path
     engine.engine.destroy()
     for step, stage in ((2, "pseudo"), (3, "pseudo"), (4, "real")):
         tag = f"global_step{step}"
-        assert ckpt.verify(str(tmp_path), tag).ok and ckpt.read_sidecar(str(tmp_path), tag)["stage"] == stage
+        assert verify(str(tmp_path), tag).ok and ckpt.read_sidecar(str(tmp_path), tag)["stage"] == stage
         resumed = make(seed=123)
         resumed.load_checkpoint(str(tmp_path), tag)  # the state fingerprint saved in the background is checked here
         assert resumed.stage == stage and train(resumed, TOTAL) == uninterrupted[step:]
@@ -141,7 +143,7 @@ def test_a_full_disk_in_the_background_raises_at_the_next_step_and_the_next_save
         step = engine.global_steps
         engine.save_checkpoint(str(disk))
         engine.wait_for_checkpoints()
-        assert ckpt.verify(str(disk), f"global_step{step}").ok
+        assert verify(str(disk), f"global_step{step}").ok
         engine.engine.destroy()
         resumed = make(seed=123)
         resumed.load_checkpoint(str(disk))
@@ -175,7 +177,7 @@ def test_killed_during_the_background_write_the_previous_checkpoint_is_resumed(t
             proc.kill()
     partial = [p.name for p in tmp_path.iterdir() if p.name.endswith(ckpt.PARTIAL_SUFFIX)]
     assert len(partial) == 1 and partial[0].startswith("global_step3.")  # killed mid-write
-    assert ckpt.latest_tag(str(tmp_path)) == "global_step2" and ckpt.verify(str(tmp_path), "global_step2").ok
+    assert ckpt.latest_tag(str(tmp_path)) == "global_step2" and verify(str(tmp_path), "global_step2").ok
     resumed = make(seed=123)
     resumed.load_checkpoint(str(tmp_path))
     assert resumed.global_steps == 2 and train(resumed, TOTAL) == uninterrupted[2:]
@@ -225,5 +227,5 @@ def test_the_main_job_stopped_by_sigterm_publishes_the_checkpoint_in_flight_and_
     assert (f"stopping on signal SIGTERM at step {stopped}: waiting for the checkpoint being written in the "
             f"background, {folder / f'global_step{stopped}'}") in log
     assert ckpt.latest_tag(str(folder)) == f"global_step{stopped}"
-    assert ckpt.verify(str(folder), f"global_step{stopped}").ok
+    assert verify(str(folder), f"global_step{stopped}").ok
     assert not [p for p in folder.iterdir() if p.name.endswith(ckpt.PARTIAL_SUFFIX)]

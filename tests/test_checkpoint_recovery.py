@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_pseudo_real import checkpoint as ckpt
-from ds_pseudo_real import ds_state, report, run_lock
+from ds_pseudo_real import ds_state, report
+from ds_pseudo_real.checkpointing import folders as ckpt
+from ds_pseudo_real.checkpointing import lock as run_lock
+from ds_pseudo_real.checkpointing.resume import select_resume
+from ds_pseudo_real.checkpointing.verify import verify
 from ds_pseudo_real.config import ConfigError, split_checkpoint_options
 from ds_pseudo_real.report import MetricsLog, read_records, rewind_csv
 from conftest import python_path, run_two_ranks
@@ -51,24 +54,24 @@ def test_manifest_lists_every_file_and_verify_finds_each_kind_of_damage(tmp_path
     expected = [ckpt.SIDECAR, "mp_rank_00_model_states.pt", "sub/zero_pp_rank_0_optim_states.pt"]
     assert sorted(manifest["files"]) == sorted(expected)
     assert manifest["files"]["sub/zero_pp_rank_0_optim_states.pt"]["size"] == 1000
-    good = ckpt.verify(str(tmp_path), tag)
+    good = verify(str(tmp_path), tag)
     assert good.ok and good.files == 3 and good.nbytes == sum(f["size"] for f in manifest["files"].values())
 
     flip_byte(tmp_path / tag / "mp_rank_00_model_states.pt")  # same size, other contents
-    assert ckpt.verify(str(tmp_path), tag).problems == ["mp_rank_00_model_states.pt fails its crc32 check "
+    assert verify(str(tmp_path), tag).problems == ["mp_rank_00_model_states.pt fails its crc32 check "
                                                         "(contents changed since it was saved)"]
-    assert ckpt.verify(str(tmp_path), tag, "size").ok  # what the cheaper modes cannot see
-    assert ckpt.verify(str(tmp_path), tag, "none").ok
+    assert verify(str(tmp_path), tag, "size").ok  # what the cheaper modes cannot see
+    assert verify(str(tmp_path), tag, "none").ok
     path = tmp_path / tag / "sub" / "zero_pp_rank_0_optim_states.pt"
     path.write_bytes(path.read_bytes()[:500])
     assert "sub/zero_pp_rank_0_optim_states.pt has 500 bytes, the manifest says 1,000 (cut short or overwritten)" \
-        in ckpt.verify(str(tmp_path), tag, "size").problems
+        in verify(str(tmp_path), tag, "size").problems
     path.unlink()
-    assert "sub/zero_pp_rank_0_optim_states.pt is missing" in ckpt.verify(str(tmp_path), tag, "size").problems
+    assert "sub/zero_pp_rank_0_optim_states.pt is missing" in verify(str(tmp_path), tag, "size").problems
     (tmp_path / tag / ckpt.MANIFEST).unlink()
-    assert ckpt.verify(str(tmp_path), tag, "none").problems == [f"{ckpt.MANIFEST} is missing"]
+    assert verify(str(tmp_path), tag, "none").problems == [f"{ckpt.MANIFEST} is missing"]
     (tmp_path / tag / ckpt.SIDECAR).write_bytes(b"\xff{")
-    assert ckpt.verify(str(tmp_path), tag, "none").problems == [f"{ckpt.SIDECAR} is not readable JSON"]
+    assert verify(str(tmp_path), tag, "none").problems == [f"{ckpt.SIDECAR} is not readable JSON"]
 
 
 def test_checksum_work_is_split_between_ranks_by_bytes():
@@ -85,7 +88,7 @@ def test_select_resume_moves_damaged_newer_ones_aside_and_repoints_latest(tmp_pa
     (tmp_path / "global_step6" / ckpt.SIDECAR).unlink()
     flip_byte(tmp_path / "global_step4" / "mp_rank_00_model_states.pt")
     (tmp_path / "notes9").mkdir()  # a folder of the user's: never a candidate, never moved
-    tag, verdict = ckpt.select_resume(str(tmp_path))
+    tag, verdict = select_resume(str(tmp_path))
     assert (tmp_path / "notes9").is_dir()
     assert tag == "global_step2" and verdict.ok
     assert (tmp_path / "global_step6.invalid" / "mp_rank_00_model_states.pt").is_file()  # moved, not deleted
@@ -98,19 +101,19 @@ def test_select_resume_moves_damaged_newer_ones_aside_and_repoints_latest(tmp_pa
     # A second damaged global_step4 later gets its own name beside the first.
     fake_checkpoint(tmp_path, 4)
     (tmp_path / "global_step4" / "mp_rank_00_model_states.pt").unlink()
-    assert ckpt.select_resume(str(tmp_path))[0] == "global_step2"
+    assert select_resume(str(tmp_path))[0] == "global_step2"
     assert (tmp_path / "global_step4.invalid.2").is_dir()
 
 
 def test_select_resume_refuses_when_none_verifies_and_never_when_empty(tmp_path):
-    assert ckpt.select_resume(str(tmp_path / "absent")) is None
-    assert ckpt.select_resume(str(tmp_path)) is None
+    assert select_resume(str(tmp_path / "absent")) is None
+    assert select_resume(str(tmp_path)) is None
     for step in (2, 4):
         fake_checkpoint(tmp_path, step)
     flip_byte(tmp_path / "global_step2" / "mp_rank_00_model_states.pt")
     (tmp_path / "global_step4" / ckpt.MANIFEST).unlink()
     with pytest.raises(ckpt.CheckpointError) as raised:
-        ckpt.select_resume(str(tmp_path))
+        select_resume(str(tmp_path))
     message = str(raised.value)
     assert f"no checkpoint in {tmp_path} can be resumed from" in message
     assert f"global_step4 (step 4): {ckpt.MANIFEST} is missing" in message
@@ -121,14 +124,14 @@ def test_select_resume_refuses_when_none_verifies_and_never_when_empty(tmp_path)
     for step in (2, 4):
         shutil.rmtree(tmp_path / f"global_step{step}")
     with pytest.raises(ckpt.CheckpointError, match="has a 'latest' file but no checkpoint folder"):
-        ckpt.select_resume(str(tmp_path))
+        select_resume(str(tmp_path))
 
 
 def test_latest_with_garbage_bytes_is_a_warning_not_a_traceback(tmp_path, capsys):
     fake_checkpoint(tmp_path, 3)
     (tmp_path / ckpt.LATEST).write_bytes(b"\xff\xfe\x00\x9c garbage")
     assert ckpt.latest_tag(str(tmp_path)) is None
-    assert ckpt.select_resume(str(tmp_path))[0] == "global_step3"
+    assert select_resume(str(tmp_path))[0] == "global_step3"
     assert "holds bytes that are not a tag; looking for the newest checkpoint that verifies" in capsys.readouterr().err
     assert (tmp_path / ckpt.LATEST).read_text() == "global_step3"
 
@@ -142,7 +145,7 @@ def test_stale_partial_and_retired_folders_are_cleaned_at_start(tmp_path, capsys
     done = ckpt.remove_stale(str(tmp_path))
     assert len(done) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step2", "global_step4", "latest"]
-    assert ckpt.verify(str(tmp_path), "global_step4").ok
+    assert verify(str(tmp_path), "global_step4").ok
     assert f"removed {tmp_path / 'global_step6.partial'}: a save that did not finish" in capsys.readouterr().out
 
 
@@ -197,8 +200,8 @@ def test_temporary_files_of_two_writers_never_collide(tmp_path, monkeypatch):
     assert (tmp_path / ckpt.LATEST).read_text() == "global_step5" and os.listdir(tmp_path) == [ckpt.LATEST]
 
 
-HOLD_LOCK = ("import sys; from ds_pseudo_real import run_lock; run_lock.acquire(sys.argv[1]); print('held', flush=True); "
-             "sys.stdin.read()")
+HOLD_LOCK = ("import sys; from ds_pseudo_real.checkpointing import lock; lock.acquire(sys.argv[1]); "
+             "print('held', flush=True); sys.stdin.read()")
 
 
 def test_the_run_lock_refuses_a_second_process_naming_the_first_and_frees_with_it(tmp_path):
@@ -210,7 +213,7 @@ def test_the_run_lock_refuses_a_second_process_naming_the_first_and_frees_with_i
     assert (record["host"], record["pid"]) == (socket.gethostname(), holder.pid)
     assert record["command"] == f"-c {tmp_path} --flag"
     with pytest.raises(ckpt.CheckpointError) as refused:
-        ckpt.claim(str(tmp_path))
+        run_lock.claim(str(tmp_path))
     assert str(refused.value) == (
         f"{tmp_path} is in use by another run (host {record['host']}, pid {holder.pid}, since {record['started']} "
         f"(-c {tmp_path} --flag)), which holds {tmp_path / run_lock.LOCK_FILE}; wait for that run to end or stop it, "
@@ -218,8 +221,8 @@ def test_the_run_lock_refuses_a_second_process_naming_the_first_and_frees_with_i
     holder.stdin.close()
     assert holder.wait(timeout=60) == 0
     assert (tmp_path / run_lock.LOCK_FILE).read_text() == ""  # released at exit
-    ckpt.claim(str(tmp_path))  # the kernel dropped the lock with the process
-    ckpt.claim(str(tmp_path))  # held by this process already
+    run_lock.claim(str(tmp_path))  # the kernel dropped the lock with the process
+    run_lock.claim(str(tmp_path))  # held by this process already
     assert json.loads((tmp_path / run_lock.LOCK_FILE).read_text())["pid"] == os.getpid()
     assert run_lock.taken_over(str(tmp_path)) is None
     intruder = dict(record, host="node7")  # a run that "took" it where locks do not exclude each other
@@ -454,7 +457,7 @@ def test_a_fresh_run_never_replaces_another_runs_checkpoint_and_a_resumed_one_go
             f"checkpoint {tmp_path / 'global_step2'} was not saved: {tmp_path / 'global_step2'} is a checkpoint "
             f"(step 2) of another run, {first.run_id} (written on host {socket.gethostname()} by pid {os.getpid()}")):
         second.save_checkpoint(str(tmp_path))
-    assert ckpt.read_sidecar(str(tmp_path), "global_step2") == saved and ckpt.verify(str(tmp_path), "global_step2").ok
+    assert ckpt.read_sidecar(str(tmp_path), "global_step2") == saved and verify(str(tmp_path), "global_step2").ok
     assert sorted(os.listdir(tmp_path)) == ["global_step2", "latest", run_lock.LOCK_FILE, "zero_to_fp32.py",
                                             "zero_to_torch.py"]
     second.engine.destroy()
@@ -495,7 +498,7 @@ def test_disk_full_names_the_file_and_the_last_good_checkpoint_and_the_next_save
         assert sorted(p.name for p in disk.iterdir() if p.is_dir()) == ["global_step2"]  # the partial folder is gone
         mount_tmpfs(disk, 64 << 20)  # space freed
         engine.save_checkpoint(str(disk))
-        assert ckpt.verify(str(disk), "global_step3").ok
+        assert verify(str(disk), "global_step3").ok
         engine.engine.destroy()
         engine, _ = resume(disk)
         assert engine.global_steps == 3 and train(engine, TOTAL) == saved[1][3:]

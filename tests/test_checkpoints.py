@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import ds_pseudo_real
-from ds_pseudo_real import checkpoint as ckpt
-from ds_pseudo_real import run_lock
-from ds_pseudo_real.convert import convert
+from ds_pseudo_real.checkpointing import folders as ckpt
+from ds_pseudo_real.checkpointing import lock as run_lock
+from ds_pseudo_real.checkpointing.convert import convert
 from ds_pseudo_real.stages import parameter_numel
 from conftest import run_two_ranks
 

@@ -282,7 +282,7 @@ def test_a_library_warning_repeated_is_shown_once():
 
 # ---- the run lock, a build lock, a port ---------------------------------------------------------------------------
 def test_taking_over_a_lock_that_another_run_left_names_it(tmp_path, capsys):
-    from ds_pseudo_real import run_lock
+    from ds_pseudo_real.checkpointing import lock as run_lock
 
     left = {"host": "node7", "pid": 4242, "started": "2026-12-01T10:00:00+0000", "command": "launch/train.py"}
     (tmp_path / run_lock.LOCK_FILE).write_text(json.dumps(left))

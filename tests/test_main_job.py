@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from ds_pseudo_real.models.gpt import Block, GPTConfig
-from ds_pseudo_real import checkpoint as ckpt
+from ds_pseudo_real.checkpointing import folders as ckpt
+from ds_pseudo_real.checkpointing.verify import verify
 from ds_pseudo_real.report import read_records
 from conftest import REPO, free_port, python_path, run_main_job, run_two_ranks
 
@@ -214,7 +215,7 @@ def test_a_second_run_on_the_same_output_folder_is_refused_and_the_first_loses_n
     tags = sorted((c.tag for c in ckpt.list_checkpoints(str(folder))), key=lambda t: int(t[len("global_step"):]))
     assert tags == [f"global_step{s}" for s in range(5, stopped + 1, 5)] + [f"global_step{stopped}"] * (stopped % 5 > 0)
     for tag in tags:
-        assert ckpt.verify(str(folder), tag).ok, tag
+        assert verify(str(folder), tag).ok, tag
         assert ckpt.read_sidecar(str(folder), tag)["written_by"]["pid"] == first.pid
     assert ckpt.latest_tag(str(folder)) == f"global_step{stopped}"
     steps = [r["step"] for r in read_records(out / "metrics.jsonl", raw=True) if "train_loss" in r]
@@ -261,7 +262,7 @@ def test_a_launcher_killed_by_a_signal_it_does_not_pass_on_leaves_no_rank_traini
     assert len(saved) == 2 and saved[0] == saved[1], text[-3000:]
     folder = str(out / "checkpoints")
     assert ckpt.latest_tag(folder) == f"global_step{saved[0]}"
-    assert ckpt.verify(folder, f"global_step{saved[0]}").ok
+    assert verify(folder, f"global_step{saved[0]}").ok
     assert ckpt.read_sidecar(folder, f"global_step{saved[0]}")["world_size"] == 2
 
 
@@ -312,6 +313,6 @@ def test_a_full_disk_under_the_logs_is_one_warning_each_and_the_run_ends_as_with
         assert len(lines) == 1 and "[Errno 28] No space left on device" in lines[0], (what, warnings)
     assert "delinked at step 6" in proc.stdout and "rank 0 finished at step 40 stage real" in proc.stdout
     assert ckpt.latest_tag(str(tmp_path / "checkpoints")) == "global_step40"
-    assert ckpt.verify(str(tmp_path / "checkpoints"), "global_step40").ok
+    assert verify(str(tmp_path / "checkpoints"), "global_step40").ok
     steps = [r["step"] for r in written if "train_loss" in r]
     assert 10 < len(steps) < 40 and steps == list(range(1, len(steps) + 1))  # what fitted in the page

@@ -162,7 +162,7 @@ def test_convert_reads_the_fp32_masters_swapped_to_nvme(async_io, tmp_path, save
     """``ds-pseudo-real convert`` of a pseudo (after step 1) or real (after step 3) checkpoint whose sub-groups were
     swapped: DeepSpeed's ZeRO files hold an empty fp32 partition for each of them (``zero_to_fp32`` stopped with
     "consumed 1321951 numels out of 41440"); the converted weights are the run's fp32 masters, bit for bit."""
-    from ds_pseudo_real import convert
+    from ds_pseudo_real.checkpointing import convert
 
     _, engine, *_ = train(offload_config("nvme", str(tmp_path / "swap")), D_MODEL, steps=saved_after)
     expected = _masters(engine)

@@ -193,7 +193,7 @@ def test_main_job_runs_a_schedule_and_logs_each_transition(tmp_path):
 
 
 def test_a_middle_stage_checkpoint_converts_in_its_stage_or_to_the_real_model(tmp_path):
-    from ds_pseudo_real.convert import convert
+    from ds_pseudo_real.checkpointing.convert import convert
 
     first, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(2))
     train(first, 4)

@@ -19,8 +19,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import checkpoint as ckpt
-from .rank0 import log_rank0
+from .. import checksums
+from ..checksums import FileEntry
+from ..ranks import gather, log_rank0, rank_and_world
 
 WRITING, PUBLISHING = "writing", "publishing"
 
@@ -110,7 +111,7 @@ class BackgroundSave:
     directory: str  # the folder it is written into
     files: Dict[str, Writer]  # by path relative to ``directory``
     summary: Callable[[], Any]
-    publish: Callable[[List[Tuple[Dict[str, ckpt.FileEntry], Any]]], None]
+    publish: Callable[[List[Tuple[Dict[str, FileEntry], Any]]], None]
     failed: Callable[[List[Optional[str]]], None]
     blocked_s: float  # how long the training loop waited for the snapshot
     started: float = field(default_factory=time.perf_counter)
@@ -152,14 +153,14 @@ class BackgroundSave:
             for name, writer in self.files.items():
                 if self._stop.is_set():
                     return "failed", "stopped: another rank's part of this save failed"
-                entries[name] = ckpt.save_with_checksum(writer, os.path.join(self.directory, name))
+                entries[name] = checksums.save_with_checksum(writer, os.path.join(self.directory, name))
         finally:
             summing.join()
         if "error" in summary:
             raise summary["error"]
         return "written", (entries, summary["value"])
 
-    def publish_in_background(self, parts: List[Tuple[Dict[str, ckpt.FileEntry], Any]]) -> None:
+    def publish_in_background(self, parts: List[Tuple[Dict[str, FileEntry], Any]]) -> None:
         """Rank 0, once every rank's part (``parts``, in rank order) is written: ``publish`` it in a thread."""
         def work():
             self.publish(parts)
@@ -214,7 +215,7 @@ class BackgroundCheckpoints:
         others' writers and raises on every rank (``BackgroundSave.failed``). ``block``: until it is published."""
         while self._pending is not None:
             pending = self._pending
-            reports = ckpt.gather(pending.report(block))
+            reports = gather(pending.report(block))
             failures = [message if state == "failed" else None for state, message in reports]
             if any(failures):
                 self._pending = None
@@ -223,7 +224,7 @@ class BackgroundCheckpoints:
                 return
             if pending.phase == WRITING and all(state == "written" for state, _ in reports):
                 pending.phase = PUBLISHING
-                if ckpt.rank_and_world()[0] == 0:
+                if rank_and_world()[0] == 0:
                     pending.publish_in_background([payload for _, payload in reports])
             elif pending.phase == PUBLISHING and reports[0][0] == "published":
                 self._pending = None

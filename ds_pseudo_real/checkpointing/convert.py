@@ -20,10 +20,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import checkpoint as ckpt
-from . import run_lock
-from .callbacks import PSEUDO, REAL
-from .sharing import expand_state_dict
+from ..callbacks import PSEUDO, REAL
+from ..sharing import expand_state_dict
+from . import folders as ckpt
+from . import lock
+from .resume import select_resume
+from .verify import verify
 
 CLIENT_KEY = ckpt.CLIENT_KEY
 
@@ -44,7 +46,7 @@ def consolidated_fp32_weights(folder: Path, zero_stage: int, model_states: Dict,
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     if swapped is not None:
-        from .ds_state import zero3_fp32_weights_with_swapped_masters
+        from ..ds_state import zero3_fp32_weights_with_swapped_masters
 
         state = zero3_fp32_weights_with_swapped_masters(str(folder), swapped)
     else:
@@ -56,7 +58,7 @@ def consolidated_fp32_weights(folder: Path, zero_stage: int, model_states: Dict,
 def _saved_loss_scale(folder: Path, model_states: Dict) -> Optional[Dict]:
     """The fp16 loss scaler's state the checkpoint holds: in rank 0's ZeRO optimizer states, or at ZeRO 0 with the
     model states (None without a scaler)."""
-    from .ds_state import saved_loss_scaler_state
+    from ..ds_state import saved_loss_scaler_state
 
     files = sorted(glob.glob(str(folder / "*optim_states.pt")))
     if not files:
@@ -69,7 +71,7 @@ def _offload_own_weights(folder: Path, model_states: Dict, known: set) -> Dict[s
     """Weights of granular offload's host_params groups, which it steps outside DeepSpeed's optimizer (so
     ``zero_to_fp32`` does not see them): their fp32 masters from the optimizer state (the same on every rank),
     else (fp32, where the host params are the master) the module's own values."""
-    from .offload.optimizer_state import OWN_GROUPS_KEY
+    from ..offload.optimizer_state import OWN_GROUPS_KEY
 
     files = sorted(glob.glob(str(folder / "*optim_states.pt")))
     if not files:
@@ -89,12 +91,12 @@ def convert(input_dir: str, output_dir: str, tag: Optional[str] = None, to_real:
     goes on in the pseudo stage and delinks where its config says. ``to_real``: a pseudo-stage one is expanded to
     every layer, and loads as the real model."""
     if tag is None:
-        chosen = ckpt.select_resume(input_dir, move_aside=False)
+        chosen = select_resume(input_dir, move_aside=False)
         if chosen is None:
             raise ckpt.CheckpointError(f"{input_dir} holds no checkpoint to convert")
         tag = chosen[0]
     else:
-        verdict = ckpt.verify(input_dir, tag)
+        verdict = verify(input_dir, tag)
         if not verdict.ok:
             problems = "; ".join(verdict.problems)
             raise ckpt.CheckpointError(f"checkpoint {verdict.folder} cannot be converted: {problems}")
@@ -120,7 +122,7 @@ def convert(input_dir: str, output_dir: str, tag: Optional[str] = None, to_real:
         "loss_scale": _saved_loss_scale(folder, model_states),
         "client_state": {CLIENT_KEY: plugin} if plugin is not None else {},
     }
-    with ckpt.holding(output_dir):
+    with lock.holding(output_dir):
         refusal = ckpt.foreign_checkpoint(output_dir, tag, ckpt.run_of(side))
         if refusal is not None:
             raise ckpt.CheckpointError(f"not converting {folder}: {refusal}")
@@ -130,7 +132,7 @@ def convert(input_dir: str, output_dir: str, tag: Optional[str] = None, to_real:
         torch.save(weights, staged / "model_fp32.pt")
         torch.save(trainer, staged / "trainer_state.pt")
         sidecar = dict(side, kind="converted", stage=stage, converted_from=str(folder),
-                       written_by=run_lock.holder_record(output_dir))
+                       written_by=lock.holder_record(output_dir))
         ckpt.publish(output_dir, tag, sidecar, writer=writer)
     return Path(output_dir) / tag
 

@@ -1,8 +1,11 @@
-"""Checkpoints of the run through its DeepSpeed engine: save and publish, restore, convert hand-off.
+"""Checkpoints of the run through its DeepSpeed engine: save and publish; choose the one to resume from; restore it
+into the engine handed over.
 
-Owns: what a checkpoint of the current stage holds and what resuming from one restores. Must not build engines
-itself (the stage builder does), choose a checkpoint or check that this run may and did resume from it
-(``resume_checks`` does) nor lay out folders (``checkpoint`` does, knowing nothing of DeepSpeed).
+Owns: what a checkpoint of the current stage holds, what resuming from one restores, and that the load restored
+what was saved. Must not build a stage or an engine: between :meth:`Checkpoints.choose` and
+:meth:`Checkpoints.restore` the run's controller builds the engine of the chosen checkpoint's stage. Which
+checkpoint, and whether this run may resume from it, is ``resume``'s; the folders are ``folders``' (knowing nothing
+of DeepSpeed).
 """
 from __future__ import annotations
 
@@ -14,13 +17,15 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from . import checkpoint as ckpt
-from . import ds_state, resume_checks, run_lock
-from .background_checkpoint import BackgroundCheckpoints, BackgroundSave
-from .callbacks import REAL, RunState, TrainingState
-from .config import CheckpointOptions
-from .rank0 import is_rank0, log_rank0
-from .stages import StageBuilder
+from .. import ds_state
+from ..callbacks import REAL, RunState, TrainingState
+from ..carry import EngineProgress
+from ..config import CheckpointOptions
+from ..ranks import barrier, gather, is_rank0, log_rank0, rank_and_world
+from . import folders as ckpt
+from . import lock, resume
+from .resume import Chosen
+from .background import BackgroundCheckpoints, BackgroundSave
 
 CLIENT_KEY = ckpt.CLIENT_KEY
 
@@ -38,11 +43,11 @@ def restore_swapped_state(engine, folder: str, side: Dict[str, Any], optimizer_l
     """Under ZeRO-3 with ``offload_optimizer: nvme``, restore the fp32 masters and working weights, and (when the
     optimizer state is loaded) the moments and step counters, that DeepSpeed's load leaves out
     (:func:`~ds_pseudo_real.ds_state.restore_swapped_optimizer_state`), from the checkpoint's files named as the
-    sidecar records. A failure on any rank is a :class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank."""
+    sidecar records. A failure on any rank is a :class:`~ds_pseudo_real.checkpointing.CheckpointError` on every rank."""
     saved = side.get("swapped_state_files")
     if saved is None or ds_state.swapped_state_files(engine) is None:
         return
-    rank, world = ckpt.rank_and_world()
+    rank, world = rank_and_world()
     failure = None
     try:
         if len(saved) != world or saved[rank] is None:
@@ -50,7 +55,7 @@ def restore_swapped_state(engine, folder: str, side: Dict[str, Any], optimizer_l
         ds_state.restore_swapped_optimizer_state(engine, folder, saved[rank], moments=optimizer_loaded)
     except (OSError, RuntimeError, KeyError) as error:
         failure = f"{type(error).__name__}: {error}"
-    reports = ckpt.gather(failure)
+    reports = gather(failure)
     ranks = [r for r, report in enumerate(reports) if report]
     if ranks:
         raise ckpt.CheckpointError(
@@ -59,24 +64,55 @@ def restore_swapped_state(engine, folder: str, side: Dict[str, Any], optimizer_l
     ds_state.regather_persistent_parameters(engine)
 
 
-class CheckpointIO:
-    """Saves and resumes the run: the engine the ``stages`` builder holds (which it asks for a checkpoint's stage),
-    and the training state and callbacks of ``run`` (which a load replaces). ``options``: the plugin's keys of the
+def check_state_restored(engine, folder: str, side: Dict[str, Any], optimizer_loaded: bool) -> None:
+    """Collective: raise :class:`~ds_pseudo_real.checkpointing.CheckpointError` on every rank when DeepSpeed's load
+    left any rank with other weights, or (when it loaded the optimizer state) other fp32 masters or moments, than
+    that rank saved (its :func:`~ds_pseudo_real.ds_state.state_fingerprint` in the sidecar), instead of training
+    on from them. Checkpoints saved without fingerprints are not checked."""
+    saved = side.get("state")
+    rank, world = rank_and_world()
+    if saved is not None and len(saved) != world:  # ZeRO 0 on another world size: every rank holds all
+        saved = [saved[0]] * world if engine.zero_optimization_stage() == 0 else None
+    expected = saved[rank] if saved is not None else None
+    found = ds_state.state_fingerprint(engine) if expected is not None else None
+    differ = []
+    for part in ("weights", "optimizer") if optimizer_loaded else ("weights",):
+        if found is not None and expected.get(part) is not None and any(
+                abs(a - b) > 1e-9 * max(1.0, abs(b)) for a, b in zip(found[part], expected[part])):
+            differ.append(part)
+    reports = gather(differ)
+    ranks = [r for r, parts in enumerate(reports) if parts]
+    if ranks:
+        names = {"weights": "weights", "optimizer": "optimizer state (fp32 masters, moments)"}
+        what = " and ".join(names[p] for p in names if any(p in parts for parts in reports))
+        swapped = (" (ZeRO-3 with offload_optimizer nvme: the swapped sub-groups were read from the checkpoint's "
+                   "offloaded_tensors files)" if ds_state.swapped_sub_groups(engine) else "")
+        here = (f"; on rank {rank}: " + ", ".join(f"{p} sum and sum of squares {found[p]}, saved {expected[p]}"
+                                                  for p in differ)) if differ else ""
+        raise ckpt.CheckpointError(
+            f"DeepSpeed loaded checkpoint {folder}, but the {what} of rank {', '.join(map(str, ranks))} are not "
+            f"the ones saved{swapped}{here}; training on would silently start from another state")
+
+
+class Checkpoints:
+    """Saves and resumes the run: the engine the run's stage builder ``stages`` holds (read only: its ``engine``,
+    ``layer_path``, ``num_layers``, ``depth``, ``groups`` and ``stages``), and the training state and callbacks of
+    ``run`` (which a load replaces). ``options``: the plugin's keys of the
     ``checkpoint`` section; ``pseudo_to_real``: whether the run has a pseudo stage (``pseudo_to_real.enabled``).
 
     ``run_id`` is rank 0's id for this controller (which also names its temporary folders) until it resumes from
     a checkpoint, whose run it then goes on as. With ``checkpoint.async_save``, a save returns once the state is
-    copied to host memory and the rest happens in the background (``background_checkpoint``); ``poll`` at every
+    copied to host memory and the rest happens in the background (``background``); ``poll`` at every
     step boundary moves it on.
     """
 
-    def __init__(self, stages: StageBuilder, run: RunState, options: CheckpointOptions, *, pseudo_to_real: bool):
+    def __init__(self, stages, run: RunState, options: CheckpointOptions, *, pseudo_to_real: bool):
         self._stages = stages
         self._run = run
         self._options = options
         self._pseudo_to_real = pseudo_to_real
         self._prepared_dirs: set = set()
-        self._writer = ckpt.gather(uuid.uuid4().hex[:12])[0]
+        self._writer = gather(uuid.uuid4().hex[:12])[0]
         self.run_id = self._writer
         self.background: Optional[BackgroundCheckpoints] = None  # made by the first save with async_save on
 
@@ -95,22 +131,15 @@ class CheckpointIO:
             "groups": stages.groups,
             "depth": stages.depth,
             "zero_stage": engine.zero_optimization_stage(),
-            "world_size": ckpt.rank_and_world()[1],
+            "world_size": rank_and_world()[1],
             "run_id": self.run_id,
         }
 
     def _prepare_dir(self, folder: str) -> None:
-        """Once per folder and run, before the first save or load there: rank 0 creates it, takes its lock for the
-        life of the process (:func:`~ds_pseudo_real.checkpoint.claim`: another run holding it is a CheckpointError on
-        every rank) and removes what crashed saves left (after a barrier, so that no rank is still writing)."""
-        if folder in self._prepared_dirs:
-            return
-        ckpt.barrier()
-        ckpt.claim(folder)
-        if is_rank0():
-            ckpt.remove_stale(folder)
-        ckpt.barrier()
-        self._prepared_dirs.add(folder)
+        """Once per folder and run, before the first save or load there (:func:`.lock.prepare`)."""
+        if folder not in self._prepared_dirs:
+            lock.prepare(folder)
+            self._prepared_dirs.add(folder)
 
     def save(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict] = None) -> str:
         """See :meth:`~ds_pseudo_real.controller.PseudoToRealController.save_checkpoint`."""
@@ -121,9 +150,9 @@ class CheckpointIO:
         client = dict(client_state or {})
         client[CLIENT_KEY] = self._plugin_state()
         self._prepare_dir(save_dir)
-        refusal = (run_lock.taken_over(save_dir) or ckpt.foreign_checkpoint(save_dir, tag, self.run_id)
+        refusal = (lock.taken_over(save_dir) or ckpt.foreign_checkpoint(save_dir, tag, self.run_id)
                    if is_rank0() else None)
-        refusal = ckpt.gather(refusal)[0]
+        refusal = gather(refusal)[0]
         if refusal is not None:
             raise ckpt.CheckpointError(f"checkpoint {os.path.join(save_dir, tag)} was not saved: {refusal}")
         staged = os.path.join(save_dir, ckpt.partial_tag(tag, self._writer))
@@ -137,10 +166,10 @@ class CheckpointIO:
                                        save_latest=False)
         except (OSError, RuntimeError) as error:
             failure = error
-            ckpt.barrier()  # the closing barrier of DeepSpeed's save_checkpoint, which this rank skipped
+            barrier()  # the closing barrier of DeepSpeed's save_checkpoint, which this rank skipped
         self._raise_if_save_failed(save_dir, tag, failure)
-        every = ckpt.gather(written)
-        fingerprints = ckpt.gather(ds_state.state_fingerprint(engine))  # compared after a load, per rank
+        every = gather(written)
+        fingerprints = gather(ds_state.state_fingerprint(engine))  # compared after a load, per rank
         sidecar = self._full_sidecar(save_dir)
         if is_rank0():
             try:
@@ -151,16 +180,16 @@ class CheckpointIO:
         self._raise_if_save_failed(save_dir, tag, failure)
         if is_rank0():
             ckpt.prune(save_dir, self._options.keep_last, self.run_id)
-        ckpt.barrier()
+        barrier()
         return os.path.join(save_dir, tag)
 
     def _full_sidecar(self, save_dir: str) -> Dict[str, Any]:
         """Collective: the sidecar but the state fingerprints (rank 0's; {} on the others)."""
-        swap_files = ckpt.gather(ds_state.swapped_state_files(self._stages.engine))  # NVMe: each rank's saved files
+        swap_files = gather(ds_state.swapped_state_files(self._stages.engine))  # NVMe: each rank's saved files
         if not is_rank0():
             return {}
         swapped = {"swapped_state_files": swap_files} if any(f is not None for f in swap_files) else {}
-        return {**self._sidecar(), "written_by": run_lock.holder_record(save_dir), **swapped}
+        return {**self._sidecar(), "written_by": lock.holder_record(save_dir), **swapped}
 
     def _save_in_background(self, save_dir: str, tag: str, client: Dict, staged: str, start: float) -> str:
         """``checkpoint.async_save``: DeepSpeed's save with each file's state copied to host memory instead of
@@ -180,14 +209,14 @@ class CheckpointIO:
             terms = ds_state.fingerprint_terms(engine, snapshot.tensor)
         except (OSError, RuntimeError) as error:
             failure = error
-            ckpt.barrier()  # the closing barrier of DeepSpeed's save_checkpoint, which this rank skipped
+            barrier()  # the closing barrier of DeepSpeed's save_checkpoint, which this rank skipped
         snapshot.end()
         self._raise_if_save_failed(save_dir, tag, failure)
         sidecar = self._full_sidecar(save_dir)
         run_id, keep_last, writer = self.run_id, self._options.keep_last, self._writer
 
         def publish(parts) -> None:  # rank 0's writer thread, once every rank's files are durable
-            refusal = run_lock.taken_over(save_dir)
+            refusal = lock.taken_over(save_dir)
             if refusal is not None:
                 raise ckpt.CheckpointError(refusal)
             merged = {name: entry for entries, _ in parts for name, entry in entries.items()}
@@ -204,7 +233,7 @@ class CheckpointIO:
 
     def poll(self) -> None:
         """Collective at every step boundary: where the checkpoint written in the background stands; its failure is
-        raised here, on every rank (:class:`~ds_pseudo_real.background_checkpoint.BackgroundCheckpoints.poll`)."""
+        raised here, on every rank (:class:`~ds_pseudo_real.checkpointing.background.BackgroundCheckpoints.poll`)."""
         if self.background is not None:
             self.background.poll()
 
@@ -216,7 +245,7 @@ class CheckpointIO:
 
     def _raise_if_save_failed(self, save_dir: str, tag: str, failure: Optional[BaseException]) -> None:
         """Collective: every rank raises when any rank's part of the save failed; rank 0 removes the partial folder."""
-        reports = ckpt.gather(None if failure is None else f"{type(failure).__name__}: {failure}")
+        reports = gather(None if failure is None else f"{type(failure).__name__}: {failure}")
         if any(reports):
             self._save_failed(save_dir, tag, reports, cause=failure)
 
@@ -226,10 +255,10 @@ class CheckpointIO:
         every rank has stopped writing, and every rank raises the same CheckpointError."""
         ranks = [rank for rank, report in enumerate(reports) if report]
         staged = os.path.join(save_dir, ckpt.partial_tag(tag, self._writer))
-        ckpt.barrier()
+        barrier()
         if is_rank0():
             shutil.rmtree(staged, ignore_errors=True)
-        ckpt.barrier()
+        barrier()
         raise ckpt.CheckpointError(
             f"could not save checkpoint {os.path.join(save_dir, tag)} (rank {', '.join(map(str, ranks))}"
             f"{', written in the background' if background else ''}): {reports[ranks[0]]}; the partial folder "
@@ -237,102 +266,91 @@ class CheckpointIO:
         ) from cause
 
     # ---- resuming --------------------------------------------------------------------------------------------
-    def load(self, load_dir: Optional[str], tag: Optional[str] = None, *, verify: Optional[str] = None,
-             **kwargs) -> Tuple[Optional[str], Dict]:
-        """See :meth:`~ds_pseudo_real.controller.PseudoToRealController.load_checkpoint`."""
-        mode = verify or self._options.verify
+    def choose(self, load_dir: Optional[str], tag: Optional[str] = None, verify: Optional[str] = None
+               ) -> Optional[Chosen]:
+        """The checkpoint a load reads (see :meth:`~ds_pseudo_real.controller.PseudoToRealController.load_checkpoint`),
+        verified and checked against this run's layout (:func:`.resume.choose`); None when ``load_dir`` holds none
+        (the monitors are rewound: the run starts here). Collective. The controller then builds the engine of its
+        stage and restores it."""
         self.wait("loading a checkpoint")
         if tag is None:
             if load_dir is None:
                 raise ValueError("load_checkpoint: give load_dir, or tag as the path of a checkpoint folder")
             self._prepare_dir(load_dir)
-        chosen = resume_checks.choose(load_dir, tag, mode)
+        chosen = resume.choose(load_dir, tag, verify or self._options.verify, self._stages, self._run.state.stage)
         if chosen is None:
-            self.rewind_monitors()  # the run starts here: what an earlier one logged after this step goes
-            return None, {}
-        load_dir, tag, verdict = chosen
-        log_rank0(verdict.summary())
-        side = ckpt.read_sidecar(load_dir, tag)
-        resume_checks.check_compatible(self._stages, self._run.state.stage, load_dir, tag, side)
-        if side["kind"] == "converted":
-            return self._load_converted(load_dir, tag, side)
-        stages = self._stages
-        num_layers = stages.num_layers
-        stage = (num_layers,) * 2 if side["stage"] == REAL else (side.get("depth", num_layers), side["groups"])
-        if stage != (stages.depth, stages.groups):  # a later stage's checkpoint: that stage's model first
-            stages.release()
-            stages.build(*stage, None, self._run.state)
+            self.rewind_monitors()
+        return chosen
+
+    def restore(self, chosen: Chosen, **kwargs) -> Tuple[str, Dict]:
+        """``chosen`` (a DeepSpeed checkpoint) loaded into the current engine, which must be of its stage: the
+        engine's state by DeepSpeed (``kwargs`` are ``load_checkpoint``'s), what DeepSpeed leaves out (NVMe-swapped
+        sub-groups, the CPU Adam kernel's bias correction), checked against the state saved; then the plugin's
+        state. Returns DeepSpeed's (path, client state)."""
+        engine, load_dir, tag = self._stages.engine, chosen.load_dir, chosen.tag
         loading = dict(kwargs)
-        if side.get("swapped_state_files") and ds_state.swapped_state_files(stages.engine) is not None:
+        if chosen.side.get("swapped_state_files") and ds_state.swapped_state_files(engine) is not None:
             # DeepSpeed loads ZeRO-3 weights without the optimizer state through zero_to_fp32, which cannot read
             # sub-groups swapped to NVMe; under NVMe its full load reads no optimizer state anyway (it only copies
             # the swap files): restore_swapped_state puts back the weights, and the moments only if asked
             loading["load_optimizer_states"] = True
         try:
-            path, client = stages.engine.load_checkpoint(load_dir, tag, **loading)
+            path, client = engine.load_checkpoint(load_dir, tag, **loading)
         except Exception as error:
+            verified = chosen.verdict.ok and not chosen.verdict.legacy and chosen.mode != "none"
             raise ckpt.CheckpointError(
-                f"DeepSpeed could not load checkpoint {os.path.join(load_dir, tag)}: {type(error).__name__}: {error}; "
-                f"{'it verified' if verdict.ok and not verdict.legacy and mode != 'none' else 'it was not verified'}"
-                f" (checkpoint.verify: {mode}); resume from another one with --resume-from TAG|PATH: "
+                f"DeepSpeed could not load checkpoint {chosen.folder}: {type(error).__name__}: {error}; "
+                f"{'it verified' if verified else 'it was not verified'} (checkpoint.verify: {chosen.mode}); resume "
+                f"from another one with --resume-from TAG|PATH: "
                 f"{[c.tag for c in ckpt.list_checkpoints(load_dir) if c.tag != tag]}"
             ) from error
         if path is None:
-            raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {load_dir}/{tag}")
+            raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {chosen.folder}")
         optimizer_loaded = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
-        engine = stages.engine
-        restore_swapped_state(engine, os.path.join(load_dir, tag), side, optimizer_loaded)
+        restore_swapped_state(engine, chosen.folder, chosen.side, optimizer_loaded)
         if optimizer_loaded:
             ds_state.replay_cpu_adam_steps(engine)
-        resume_checks.check_state_restored(engine, os.path.join(load_dir, tag), side, optimizer_loaded)
+        check_state_restored(engine, chosen.folder, chosen.side, optimizer_loaded)
         client = dict(client or {})
-        self._restore_plugin_state(client.pop(CLIENT_KEY))
-        self.rewind_monitors()
-        self.run_id = ckpt.run_of(side)  # resumed: this run goes on as the checkpoint's
-        log_rank0(f"resumed from {os.path.join(load_dir, tag)} at step {engine.global_steps} "
-                  f"({self._run.state.stage} stage)")
+        self._resumed(chosen, client.pop(CLIENT_KEY))
+        log_rank0(f"resumed from {chosen.folder} at step {engine.global_steps} ({self._run.state.stage} stage)")
         return path, client
+
+    def restore_converted(self, chosen: Chosen) -> Tuple[str, Dict]:
+        """``chosen`` (a checkpoint of ``ds-pseudo-real convert``), whose weights the current engine was built from
+        (:meth:`Chosen.converted_weights`): its steps, LR schedule position and fp16 loss scaler, then the plugin's
+        state; Adam moments start at zero."""
+        engine = self._stages.engine
+        trainer = chosen.trainer_state()
+        EngineProgress(steps={"global_steps": trainer["global_steps"], "global_samples": trainer["global_samples"],
+                              "skipped_steps": trainer["skipped_steps"],
+                              "micro_steps": trainer["global_steps"] * engine.gradient_accumulation_steps()},
+                       scheduler_state=trainer.get("lr_scheduler") if engine.lr_scheduler is not None else None,
+                       lrs=[group["lr"] for group in engine.optimizer.param_groups], counters={},
+                       loss_scale=trainer.get("loss_scale")).give_to(engine)
+        if trainer.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
+            sync_lr_with_scheduler(engine.lr_scheduler, engine.optimizer)
+        client = dict(trainer.get("client_state") or {})
+        self._resumed(chosen, client.pop(CLIENT_KEY, None))
+        if chosen.side["stage"] == REAL:
+            self._run.state.stage = REAL
+            self._run.state.switch_step = self._run.state.switch_step or engine.global_steps
+        log_rank0(f"loaded converted {chosen.side['stage']}-stage checkpoint {chosen.folder} at step "
+                  f"{engine.global_steps}; Adam moments start at zero")
+        return chosen.folder, client
+
+    def _resumed(self, chosen: Chosen, plugin: Optional[Dict[str, Any]]) -> None:
+        """The plugin's state restored (when saved), the monitors rewound to the step, the run going on as the
+        checkpoint's."""
+        if plugin is not None:
+            state = self._run.state = TrainingState.from_dict(plugin["state"])
+            state.groups = self._stages.groups  # checkpoints before progressive schedules do not record it
+            if state.stage == REAL and self._pseudo_to_real:
+                state.transitions_done = len(self._stages.stages) - 1
+            self._run.callbacks.load_state_dict(plugin["callbacks"])
+        self.rewind_monitors()
+        self.run_id = chosen.run  # resumed: this run goes on as the checkpoint's
 
     def rewind_monitors(self) -> None:
         """See :meth:`~ds_pseudo_real.controller.PseudoToRealController.rewind_monitors`."""
         ds_state.rewind_monitors(self._stages.engine)
-
-    def _restore_plugin_state(self, plugin: Dict[str, Any]) -> None:
-        state = self._run.state = TrainingState.from_dict(plugin["state"])
-        state.groups = self._stages.groups  # checkpoints before progressive schedules do not record it
-        if state.stage == REAL and self._pseudo_to_real:
-            state.transitions_done = len(self._stages.stages) - 1
-        self._run.callbacks.load_state_dict(plugin["callbacks"])
-
-    def _load_converted(self, load_dir: str, tag: str, side: Dict[str, Any]) -> Tuple[str, Dict]:
-        """A checkpoint of ``ds-pseudo-real convert``: the model of its stage built from its fp32 weights, its steps,
-        LR schedule position, fp16 loss scaler and plugin state restored; Adam moments start at zero."""
-        folder = os.path.join(load_dir, tag)
-        weights = torch.load(os.path.join(folder, "model_fp32.pt"), map_location="cpu", weights_only=True)
-        trainer = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=False)
-        stages = self._stages
-        stages.release()
-        if side["stage"] == REAL:
-            stages.build(stages.num_layers, stages.num_layers, weights, self._run.state)
-        else:
-            stages.build(side.get("depth", stages.num_layers), side["groups"], weights, self._run.state)
-        engine = stages.engine
-        for key in ("global_steps", "global_samples", "skipped_steps"):
-            setattr(engine, key, trainer[key])
-        engine.micro_steps = trainer["global_steps"] * engine.gradient_accumulation_steps()
-        ds_state.set_loss_scaler_state(engine, trainer.get("loss_scale"))
-        if trainer.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
-            sync_lr_with_scheduler(engine.lr_scheduler, engine.optimizer)
-        client = dict(trainer.get("client_state") or {})
-        plugin = client.pop(CLIENT_KEY, None)
-        if plugin is not None:
-            self._restore_plugin_state(plugin)
-        if side["stage"] == REAL:
-            self._run.state.stage = REAL
-            self._run.state.switch_step = self._run.state.switch_step or engine.global_steps
-        self.rewind_monitors()
-        self.run_id = ckpt.run_of(side)
-        log_rank0(f"loaded converted {side['stage']}-stage checkpoint {folder} at step {engine.global_steps}; Adam "
-                  f"moments start at zero")
-        return folder, client

@@ -1,30 +1,26 @@
-"""Checkpoint folders on disk: atomic publication, the plugin's sidecar, a verified manifest, resume selection,
-clean-up of crashed saves, and retention.
+"""Checkpoint folders on disk: atomic publication, the plugin's sidecar, the manifest, clean-up of crashed saves,
+and retention (``verify`` checks a folder against its manifest, ``resume`` chooses the one a resume reads).
 
 Owns: the folder layout (``<tag>.<writer>.partial`` while written, renamed to ``<tag>``; ``latest``; ``<tag>.invalid``
-for a damaged checkpoint moved aside; ``run.lock``, see ``run_lock``), ``pseudo_to_real.json`` (stage, step, layout,
-the run it belongs to) and ``manifest.json`` (size and crc32 of every file). Knows nothing of DeepSpeed: the
-controller decides what to save and load. Functions marked collective must be called on every rank when
-torch.distributed is initialized (they split the checksum work between ranks and agree on the outcome); the rest
-are rank 0's. Assumes one file system shared by all ranks.
+for a damaged checkpoint moved aside; ``run.lock``, see ``lock``), ``pseudo_to_real.json`` (stage, step, layout,
+the run it belongs to) and ``manifest.json`` (size and crc32 of every file). Knows nothing of DeepSpeed (``engine_io``
+decides what to save and load) nor of ranks: its functions are rank 0's. Assumes one file system shared by all
+ranks.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import time
 import uuid
-import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from . import run_lock
-from .logs import logger
+from ..checksums import FileEntry, file_entry
+from ..logs import logger
 
 SIDECAR = "pseudo_to_real.json"
 MANIFEST = "manifest.json"
@@ -34,11 +30,8 @@ PARTIAL_SUFFIX = ".partial"
 INVALID_SUFFIX = ".invalid"
 RETIRED_SUFFIX = ".old"
 SIDECAR_FORMAT = 2  # 1: no manifest (written before verification existed)
-CHUNK = 16 << 20
 _STEP_IN_TAG = re.compile(r"(\d+)$")
 _DEFAULT_TAG = re.compile(r"global_step\d+")  # the tag DeepSpeed and the plugin give a checkpoint by default
-
-FileEntry = Dict[str, Any]  # {"size": bytes, "crc32": "8 hex digits"}
 
 
 class CheckpointError(RuntimeError):
@@ -54,98 +47,6 @@ class VerifyMode(str, Enum):
 def partial_tag(tag: str, writer: str = "") -> str:
     """The folder ``tag`` is written into before it is published, named after the run writing it (``writer``)."""
     return f"{tag}.{writer}{PARTIAL_SUFFIX}" if writer else tag + PARTIAL_SUFFIX
-
-
-def log(message: str) -> None:
-    logger.info(message)
-
-
-def warn(message: str) -> None:
-    logger.warning(message)
-
-
-# ---- collectives (no-ops in a single process) ----------------------------------------------------------------
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def rank_and_world() -> Tuple[int, int]:
-    dist = _dist()
-    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-
-
-def gather(obj: Any) -> List[Any]:
-    """``obj`` of every rank, in rank order (collective)."""
-    dist = _dist()
-    if dist is None:
-        return [obj]
-    out: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def barrier() -> None:
-    dist = _dist()
-    if dist is not None:
-        dist.barrier()
-
-
-# ---- files ------------------------------------------------------------------------------------------------------
-class ChecksumWriter:
-    """A write-only file object that keeps the size and crc32 of what passes through it, and the OSError the file
-    raised, if any (``torch.save`` turns it into its own "unexpected pos" RuntimeError)."""
-
-    def __init__(self, handle):
-        self.handle = handle
-        self.size = 0
-        self.crc = 0
-        self.error: Optional[OSError] = None
-
-    def write(self, data) -> int:
-        try:
-            written = self.handle.write(data)
-        except OSError as error:
-            self.error = error
-            raise
-        self.crc = zlib.crc32(data, self.crc)
-        self.size += len(memoryview(data).cast("B"))
-        return written
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-    def entry(self) -> FileEntry:
-        return {"size": self.size, "crc32": f"{self.crc:08x}"}
-
-
-def save_with_checksum(save: Callable[[Any], None], path: str) -> FileEntry:
-    """Run ``save(file_object)`` into ``path``, flushed and fsynced; returns the file's manifest entry. Raises the
-    file system's OSError (e.g. ``[Errno 28] No space left on device``, with the path) when a write fails."""
-    with open(path, "wb") as handle:
-        writer = ChecksumWriter(handle)
-        try:
-            save(writer)
-            handle.flush()
-            os.fsync(handle.fileno())
-        except Exception as error:
-            cause = writer.error or (error if isinstance(error, OSError) else None)
-            if cause is not None:
-                raise OSError(cause.errno, cause.strerror, path) from error
-            raise
-    return writer.entry()
-
-
-def file_entry(path: Path, checksum: bool = True) -> FileEntry:
-    size = path.stat().st_size
-    if not checksum:
-        return {"size": size}
-    crc = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return {"size": size, "crc32": f"{crc:08x}"}
 
 
 def list_files(folder: Path) -> List[str]:
@@ -189,42 +90,6 @@ def _remove_tree(path: Path) -> None:
 
 
 # ---- writing ----------------------------------------------------------------------------------------------------
-def _lock(folder: str) -> None:
-    try:
-        os.makedirs(folder, exist_ok=True)
-        run_lock.acquire(folder)
-    except (OSError, run_lock.FolderInUse) as error:
-        raise CheckpointError(str(error)) from None
-
-
-def claim(folder: str) -> None:
-    """Make ``folder`` and hold its lock (``run_lock``) on rank 0 for the life of this process, so that no other run
-    writes into it meanwhile; every rank raises the same CheckpointError, naming the run that holds it, when another
-    one does (collective)."""
-    failure = None
-    if rank_and_world()[0] == 0:
-        try:
-            _lock(folder)
-        except CheckpointError as error:
-            failure = str(error)
-    failure = gather(failure)[0]
-    if failure is not None:
-        raise CheckpointError(failure)
-
-
-@contextlib.contextmanager
-def holding(folder: str) -> Iterator[None]:
-    """``claim`` for one process that writes into ``folder`` for a while (``ds-pseudo-real convert``): the lock is
-    given up after the block, unless this process held it before."""
-    held_before = run_lock.holds(folder)
-    _lock(folder)
-    try:
-        yield
-    finally:
-        if not held_before:
-            run_lock.release(folder)
-
-
 def run_of(sidecar: Dict[str, Any]) -> str:
     """The run a checkpoint belongs to: the id of the run that began its history from step 0 (a resumed run goes on
     under the id of the checkpoint it resumed from); "" for checkpoints written before runs were recorded."""
@@ -304,7 +169,7 @@ def remove_stale(save_dir: str) -> List[str]:
             path.unlink()
             done.append(f"removed {path}: an unfinished write")
     for line in done:
-        log(line)
+        logger.info(line)
     return done
 
 
@@ -337,7 +202,7 @@ def read_latest(load_dir: str) -> Tuple[Optional[str], Optional[str]]:
 
 def latest_tag(load_dir: str) -> Optional[str]:
     """The tag ``latest`` names when that checkpoint is complete (has its sidecar), else None. Resuming uses
-    :func:`select_resume`, which also checks the files and falls back to older checkpoints."""
+    :func:`.resume.select_resume`, which also checks the files and falls back to older checkpoints."""
     tag, problem = read_latest(load_dir)
     if tag is None or problem is not None:
         return None
@@ -386,144 +251,6 @@ def list_checkpoints(load_dir: str) -> List[Candidate]:
     return [c for *_, c in sorted(found, key=lambda item: (item[0], item[1]), reverse=True)]
 
 
-@dataclass
-class Verdict:
-    """What verifying one checkpoint found; ``problems`` is empty when it can be loaded."""
-
-    folder: Path
-    mode: str
-    problems: List[str] = field(default_factory=list)
-    files: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
-    legacy: bool = False  # written before manifests: nothing to check the files against
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def summary(self) -> str:
-        if self.legacy:
-            return f"{self.folder} has no {MANIFEST} (written by an older version): loaded without verification"
-        if self.mode == VerifyMode.NONE.value:
-            return f"{self.folder}: file verification is off (checkpoint.verify: none)"
-        rate = self.nbytes / max(self.seconds, 1e-9) / 2**30
-        return (f"verified {self.folder}: {self.files} files, {self.nbytes / 2**20:,.1f} MiB, "
-                f"{self.mode} in {self.seconds:.2f} s ({rate:.2f} GiB/s)")
-
-
-def _structure_problems(folder: Path) -> Tuple[List[str], Optional[Dict[str, Any]], bool]:
-    """(problems, manifest, legacy) from the folder, the sidecar and the manifest alone."""
-    if not folder.is_dir():
-        return [f"{folder} is not there"], None, False
-    sidecar_path = folder / SIDECAR
-    if not sidecar_path.is_file():
-        return [f"{SIDECAR} is missing"], None, False
-    sidecar = _read_json(sidecar_path)
-    if sidecar is None:
-        return [f"{SIDECAR} is not readable JSON"], None, False
-    manifest_path = folder / MANIFEST
-    if not manifest_path.is_file():
-        if sidecar.get("format", 1) < SIDECAR_FORMAT:
-            return [], None, True
-        return [f"{MANIFEST} is missing"], None, False
-    manifest = _read_json(manifest_path)
-    if manifest is None or not isinstance(manifest.get("files"), dict):
-        return [f"{MANIFEST} is not readable"], None, False
-    return [], manifest, False
-
-
-def _check_file(folder: Path, name: str, expected: FileEntry, checksum: bool) -> Optional[str]:
-    path = folder / name
-    if not path.is_file():
-        return f"{name} is missing"
-    size = path.stat().st_size
-    if size != expected["size"]:
-        return f"{name} has {size:,} bytes, the manifest says {expected['size']:,} (cut short or overwritten)"
-    if checksum and file_entry(path)["crc32"] != expected["crc32"]:
-        return f"{name} fails its crc32 check (contents changed since it was saved)"
-    return None
-
-
-def verify(load_dir: str, tag: str, mode: str = VerifyMode.CHECKSUM.value) -> Verdict:
-    """Check ``load_dir/tag`` against its manifest (collective: each rank reads its share of the files)."""
-    mode = VerifyMode(mode).value
-    folder = Path(load_dir) / tag
-    problems, manifest, legacy = _structure_problems(folder)
-    verdict = Verdict(folder, mode, problems, legacy=legacy)
-    if problems or legacy or mode == VerifyMode.NONE.value:
-        return verdict
-    files: Dict[str, FileEntry] = manifest["files"]
-    rank, world = rank_and_world()
-    start = time.perf_counter()
-    mine = share_of({name: entry["size"] for name, entry in files.items()}, rank, world)
-    checksum = mode == VerifyMode.CHECKSUM.value
-    found = [p for p in (_check_file(folder, name, files[name], checksum) for name in mine) if p]
-    results = gather((found, time.perf_counter() - start))
-    verdict.problems = sorted(p for part, _ in results for p in part)
-    verdict.seconds = max(seconds for _, seconds in results)
-    verdict.files = len(files)
-    verdict.nbytes = sum(entry["size"] for entry in files.values())
-    return verdict
-
-
-def _aside_name(root: Path, tag: str) -> Path:
-    target = root / (tag + INVALID_SUFFIX)
-    n = 1
-    while target.exists():
-        n += 1
-        target = root / f"{tag}{INVALID_SUFFIX}.{n}"
-    return target
-
-
-def select_resume(load_dir: str, mode: str = VerifyMode.CHECKSUM.value,
-                  move_aside: bool = True) -> Optional[Tuple[str, Verdict]]:
-    """The newest checkpoint in ``load_dir`` that verifies, with its verdict; None when there is no checkpoint at
-    all (collective). A damaged newer one is named in a warning and, with ``move_aside``, renamed to
-    ``<tag>.invalid`` (never deleted); ``latest`` is pointed at the one chosen. Raises CheckpointError when
-    checkpoints exist but none verifies, listing each and why."""
-    rank, _ = rank_and_world()
-    latest, latest_problem = read_latest(load_dir)
-    if latest_problem and rank == 0:
-        warn(f"{latest_problem}; looking for the newest checkpoint that verifies")
-    candidates = list_checkpoints(load_dir)
-    if not candidates:
-        if latest is not None or latest_problem is not None:
-            raise CheckpointError(
-                f"{load_dir} has a '{LATEST}' file but no checkpoint folder "
-                f"({latest_problem or f'it names {latest!r}'}); "
-                f"resume from another folder with --resume-from, or start over explicitly with --no-resume"
-            )
-        return None
-    rejected: List[Tuple[Candidate, Verdict]] = []
-    for candidate in candidates:
-        verdict = verify(load_dir, candidate.tag, mode)
-        if verdict.ok:
-            break
-        rejected.append((candidate, verdict))
-    else:
-        listing = "\n".join(f"  {c.tag} (step {c.step}): {'; '.join(v.problems)}" for c, v in rejected)
-        raise CheckpointError(
-            f"no checkpoint in {load_dir} can be resumed from:\n{listing}\n"
-            f"nothing was moved or deleted; pick one with --resume-from TAG|PATH, "
-            f"or start over explicitly with --no-resume"
-        )
-    root = Path(load_dir)
-    if rank == 0:
-        for bad, bad_verdict in rejected:
-            where = ""
-            if move_aside:
-                target = _aside_name(root, bad.tag)
-                os.replace(root / bad.tag, target)
-                where = f"; moved aside to {target.name}"
-            warn(f"checkpoint {root / bad.tag} (step {bad.step}) is damaged: {'; '.join(bad_verdict.problems)}{where}; "
-                 f"resuming from the newest one that verifies, {candidate.tag} (step {candidate.step})")
-        if move_aside and latest != candidate.tag:
-            write_atomic(root / LATEST, candidate.tag)
-    barrier()
-    return candidate.tag, verdict
-
-
 def resolve(load_dir: Optional[str], tag_or_path: str) -> Tuple[str, str]:
     """(folder, tag) for ``--resume-from``: a tag inside ``load_dir``, or the path of a checkpoint folder."""
     if load_dir is not None and (Path(load_dir) / tag_or_path).is_dir():
@@ -563,5 +290,5 @@ def prune(save_dir: str, keep_last: Optional[int], run_id: str = "") -> List[str
     removed = [c.tag for c in complete if c.tag not in keep]
     for tag in removed:
         _remove_tree(Path(save_dir) / tag)
-        log(f"removed checkpoint {Path(save_dir) / tag} (checkpoint.keep_last: {keep_last})")
+        logger.info(f"removed checkpoint {Path(save_dir) / tag} (checkpoint.keep_last: {keep_last})")
     return removed

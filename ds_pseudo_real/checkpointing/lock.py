@@ -3,12 +3,14 @@ until that process ends.
 
 Owns: taking the lock (``fcntl.flock``, exclusive, without waiting), the holder's record in the file (host, pid,
 start time, command) and reading it back for error messages, checks and the line naming a run it takes over from.
-Knows nothing of checkpoints, torch or torch.distributed: ``checkpoint.claim`` takes it on rank 0 and shares the
-outcome with every rank.
+Also a run's claim on a folder: :func:`claim` takes the lock on rank 0 and gives every rank the outcome (another
+run's lock is a :class:`~ds_pseudo_real.checkpointing.CheckpointError` naming it), :func:`prepare` also clears what
+crashed saves left. Knows nothing of torch.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import json
@@ -16,9 +18,11 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
-from .logs import logger
+from ..logs import logger
+from ..ranks import barrier, gather, rank_and_world
+from . import folders
 
 LOCK_FILE = "run.lock"
 _HELD: Dict[str, Tuple[int, Dict[str, Any]]] = {}  # by real path: (descriptor, the record written) of each lock held
@@ -154,6 +158,53 @@ def release(folder: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ---- a run's claim on a folder --------------------------------------------------------------------------------
+def _lock(folder: str) -> None:
+    try:
+        os.makedirs(folder, exist_ok=True)
+        acquire(folder)
+    except (OSError, FolderInUse) as error:
+        raise folders.CheckpointError(str(error)) from None
+
+
+def claim(folder: str) -> None:
+    """Make ``folder`` and hold its lock on rank 0 for the life of this process, so that no other run
+    writes into it meanwhile; every rank raises the same CheckpointError, naming the run that holds it, when another
+    one does (collective)."""
+    failure = None
+    if rank_and_world()[0] == 0:
+        try:
+            _lock(folder)
+        except folders.CheckpointError as error:
+            failure = str(error)
+    failure = gather(failure)[0]
+    if failure is not None:
+        raise folders.CheckpointError(failure)
+
+
+def prepare(folder: str) -> None:
+    """Collective, before a run's first save or load in ``folder``: :func:`claim` it, then rank 0 removes what crashed
+    saves left (:func:`.folders.remove_stale`) once no rank can still be writing there."""
+    barrier()
+    claim(folder)
+    if rank_and_world()[0] == 0:
+        folders.remove_stale(folder)
+    barrier()
+
+
+@contextlib.contextmanager
+def holding(folder: str) -> Iterator[None]:
+    """``claim`` for one process that writes into ``folder`` for a while (``ds-pseudo-real convert``): the lock is
+    given up after the block, unless this process held it before."""
+    held_before = holds(folder)
+    _lock(folder)
+    try:
+        yield
+    finally:
+        if not held_before:
+            release(folder)
 
 
 @atexit.register

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..checkpoint import CheckpointError
+from .folders import CheckpointError
 from ..logs import logger
 
 

@@ -1,42 +1,112 @@
-"""Which checkpoint a resume reads and whether this run may, and did, resume from it.
+"""Which checkpoint a resume reads and whether this run may resume from it.
 
-Owns: choosing a checkpoint and refusing one that does not verify, refusing one whose layout (layers, stage, ZeRO
-stage, ranks) this run cannot load before DeepSpeed reads it, and comparing the state DeepSpeed's load restored
-with the one saved. Must not load, save or build anything (``checkpoint_io`` loads, the stage builder builds) nor
-lay out folders (``checkpoint`` does).
+Owns: choosing a checkpoint (the newest that verifies; damaged newer ones moved aside, never deleted) and refusing
+one that does not verify, and refusing one whose layout (layers, stage, ZeRO stage, ranks) this run cannot load
+before DeepSpeed reads it. Must not load, save or build anything (``engine_io`` loads and checks what the load
+restored, the run's stage builder builds) nor lay out folders (``folders`` does).
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Tuple
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
 
-from . import checkpoint as ckpt
-from . import ds_state
-from .callbacks import PSEUDO, REAL
-from .config import ConfigError
-from .stages import StageBuilder
+import torch
+
+from ..callbacks import PSEUDO, REAL
+from ..config import ConfigError
+from ..logs import logger
+from ..ranks import barrier, log_rank0, rank_and_world
+from . import folders as ckpt
+from .folders import (
+    INVALID_SUFFIX, LATEST, Candidate, CheckpointError, VerifyMode, list_checkpoints, read_latest, write_atomic,
+)
+from .verify import Verdict, verify
 
 
-def choose(load_dir: Optional[str], tag: Optional[str], mode: str) -> Optional[Tuple[str, str, ckpt.Verdict]]:
-    """The checkpoint a load reads, as (folder of checkpoints, tag, its verdict under ``checkpoint.verify``
-    ``mode``): with no ``tag`` the newest in ``load_dir`` that verifies
-    (:func:`~ds_pseudo_real.checkpoint.select_resume`; None when there is none), else ``load_dir/tag`` (or ``tag``
-    as a path), which must verify."""
+def choose(load_dir: Optional[str], tag: Optional[str], mode: str, stages, stage: str) -> Optional["Chosen"]:
+    """The checkpoint a load reads, verified under ``checkpoint.verify`` ``mode`` and checked against this run
+    (:func:`check_compatible`, with ``stages`` and ``stage``): with no ``tag`` the newest in ``load_dir`` that
+    verifies (:func:`select_resume`; None when there is none), else ``load_dir/tag`` (or ``tag`` as a path), which
+    must verify. Collective."""
     if tag is None:
-        chosen = ckpt.select_resume(load_dir, mode)
-        return None if chosen is None else (load_dir, *chosen)
-    load_dir, tag = ckpt.resolve(load_dir, tag)
-    verdict = ckpt.verify(load_dir, tag, mode)
-    if not verdict.ok:
-        raise ckpt.CheckpointError(
-            f"checkpoint {verdict.folder} cannot be loaded: {'; '.join(verdict.problems)}"
+        found = select_resume(load_dir, mode)
+        if found is None:
+            return None
+        tag, verdict = found
+    else:
+        load_dir, tag = ckpt.resolve(load_dir, tag)
+        verdict = verify(load_dir, tag, mode)
+        if not verdict.ok:
+            raise CheckpointError(f"checkpoint {verdict.folder} cannot be loaded: {'; '.join(verdict.problems)}")
+    log_rank0(verdict.summary())
+    check_compatible(stages, stage, load_dir, tag, verdict.sidecar)
+    return Chosen(load_dir, tag, verdict, verdict.sidecar, mode)
+
+
+def _aside_name(root: Path, tag: str) -> Path:
+    target = root / (tag + INVALID_SUFFIX)
+    n = 1
+    while target.exists():
+        n += 1
+        target = root / f"{tag}{INVALID_SUFFIX}.{n}"
+    return target
+
+
+def select_resume(load_dir: str, mode: str = VerifyMode.CHECKSUM.value,
+                  move_aside: bool = True) -> Optional[Tuple[str, Verdict]]:
+    """The newest checkpoint in ``load_dir`` that verifies, with its verdict; None when there is no checkpoint at
+    all (collective). A damaged newer one is named in a warning and, with ``move_aside``, renamed to
+    ``<tag>.invalid`` (never deleted); ``latest`` is pointed at the one chosen. Raises CheckpointError when
+    checkpoints exist but none verifies, listing each and why."""
+    rank, _ = rank_and_world()
+    latest, latest_problem = read_latest(load_dir)
+    if latest_problem and rank == 0:
+        logger.warning(f"{latest_problem}; looking for the newest checkpoint that verifies")
+    candidates = list_checkpoints(load_dir)
+    if not candidates:
+        if latest is not None or latest_problem is not None:
+            raise CheckpointError(
+                f"{load_dir} has a '{LATEST}' file but no checkpoint folder "
+                f"({latest_problem or f'it names {latest!r}'}); "
+                f"resume from another folder with --resume-from, or start over explicitly with --no-resume"
+            )
+        return None
+    rejected: List[Tuple[Candidate, Verdict]] = []
+    for candidate in candidates:
+        verdict = verify(load_dir, candidate.tag, mode)
+        if verdict.ok:
+            break
+        rejected.append((candidate, verdict))
+    else:
+        listing = "\n".join(f"  {c.tag} (step {c.step}): {'; '.join(v.problems)}" for c, v in rejected)
+        raise CheckpointError(
+            f"no checkpoint in {load_dir} can be resumed from:\n{listing}\n"
+            f"nothing was moved or deleted; pick one with --resume-from TAG|PATH, "
+            f"or start over explicitly with --no-resume"
         )
-    return load_dir, tag, verdict
+    root = Path(load_dir)
+    if rank == 0:
+        for bad, bad_verdict in rejected:
+            where = ""
+            if move_aside:
+                target = _aside_name(root, bad.tag)
+                os.replace(root / bad.tag, target)
+                where = f"; moved aside to {target.name}"
+            logger.warning(f"checkpoint {root / bad.tag} (step {bad.step}) is damaged: "
+                           f"{'; '.join(bad_verdict.problems)}{where}; resuming from the newest one that verifies, "
+                           f"{candidate.tag} (step {candidate.step})")
+        if move_aside and latest != candidate.tag:
+            write_atomic(root / LATEST, candidate.tag)
+    barrier()
+    return candidate.tag, verdict
 
 
-def check_compatible(stages: StageBuilder, stage: str, load_dir: str, tag: str, side: Dict[str, Any]) -> None:
-    """Refuse, before DeepSpeed reads anything, a checkpoint (its sidecar ``side``) that this run, with the engine
-    ``stages`` holds and in ``stage`` (``pseudo`` or ``real``), cannot load, saying what to do instead."""
+def check_compatible(stages, stage: str, load_dir: str, tag: str, side: Dict[str, Any]) -> None:
+    """Refuse, before DeepSpeed reads anything, a checkpoint (its sidecar ``side``) that this run cannot load, saying
+    what to do instead. ``stages``: what the run's stage builder holds, read only (its ``engine``, ``layer_path``,
+    ``num_layers`` and ``stages``, the (layers, parameter groups) of each stage); ``stage``: ``pseudo`` or ``real``."""
     where = f"checkpoint {os.path.join(load_dir, tag)}"
     if side["num_layers"] != stages.num_layers or side["layers"] != stages.layer_path:
         raise ConfigError(
@@ -59,7 +129,7 @@ def check_compatible(stages: StageBuilder, stage: str, load_dir: str, tag: str, 
                           f" (pseudo_to_real.groups or schedule)")
     if side["kind"] == "converted":
         return
-    world = ckpt.rank_and_world()[1]
+    world = rank_and_world()[1]
     zero = stages.engine.zero_optimization_stage()
     saved_world, saved_zero = side.get("world_size", world), side.get("zero_stage", zero)
     if saved_zero != zero or (zero > 0 and saved_world != world):
@@ -74,31 +144,39 @@ def check_compatible(stages: StageBuilder, stage: str, load_dir: str, tag: str, 
         )
 
 
-def check_state_restored(engine, folder: str, side: Dict[str, Any], optimizer_loaded: bool) -> None:
-    """Collective: raise :class:`~ds_pseudo_real.checkpoint.CheckpointError` on every rank when DeepSpeed's load
-    left any rank with other weights, or (when it loaded the optimizer state) other fp32 masters or moments, than
-    that rank saved (its :func:`~ds_pseudo_real.ds_state.state_fingerprint` in the sidecar), instead of training
-    on from them. Checkpoints saved without fingerprints are not checked."""
-    saved = side.get("state")
-    rank, world = ckpt.rank_and_world()
-    if saved is not None and len(saved) != world:  # ZeRO 0 on another world size: every rank holds all
-        saved = [saved[0]] * world if engine.zero_optimization_stage() == 0 else None
-    expected = saved[rank] if saved is not None else None
-    found = ds_state.state_fingerprint(engine) if expected is not None else None
-    differ = []
-    for part in ("weights", "optimizer") if optimizer_loaded else ("weights",):
-        if found is not None and expected.get(part) is not None and any(
-                abs(a - b) > 1e-9 * max(1.0, abs(b)) for a, b in zip(found[part], expected[part])):
-            differ.append(part)
-    reports = ckpt.gather(differ)
-    ranks = [r for r, parts in enumerate(reports) if parts]
-    if ranks:
-        names = {"weights": "weights", "optimizer": "optimizer state (fp32 masters, moments)"}
-        what = " and ".join(names[p] for p in names if any(p in parts for parts in reports))
-        swapped = " (ZeRO-3 with offload_optimizer nvme: the swapped sub-groups were read from the checkpoint's "\
-                  "offloaded_tensors files)" if ds_state.swapped_sub_groups(engine) else ""
-        here = (f"; on rank {rank}: " + ", ".join(f"{p} sum and sum of squares {found[p]}, saved {expected[p]}"
-                                                  for p in differ)) if differ else ""
-        raise ckpt.CheckpointError(
-            f"DeepSpeed loaded checkpoint {folder}, but the {what} of rank {', '.join(map(str, ranks))} are not "
-            f"the ones saved{swapped}{here}; training on would silently start from another state")
+@dataclass(frozen=True)
+class Chosen:
+    """A checkpoint chosen to resume from: in ``load_dir`` as ``tag``, its verdict, its sidecar and the
+    ``checkpoint.verify`` mode it was checked under."""
+
+    load_dir: str
+    tag: str
+    verdict: Verdict
+    side: Dict[str, Any]
+    mode: str
+
+    @property
+    def folder(self) -> str:
+        return os.path.join(self.load_dir, self.tag)
+
+    @property
+    def run(self) -> str:
+        """The run it belongs to, which a run resuming from it goes on as."""
+        return ckpt.run_of(self.side)
+
+    @property
+    def converted(self) -> bool:
+        return self.side["kind"] == "converted"
+
+    def stage(self, num_layers: int) -> Tuple[int, int]:
+        """(layers, parameter groups) of the model it holds, for a model of ``num_layers`` layers."""
+        if self.side["stage"] == REAL:
+            return num_layers, num_layers
+        return self.side.get("depth", num_layers), self.side["groups"]
+
+    def converted_weights(self) -> Dict[str, torch.Tensor]:
+        """A converted checkpoint's fp32 weights by parameter name, for the stage builder."""
+        return torch.load(os.path.join(self.folder, "model_fp32.pt"), map_location="cpu", weights_only=True)
+
+    def trainer_state(self) -> Dict[str, Any]:
+        return torch.load(os.path.join(self.folder, "trainer_state.pt"), map_location="cpu", weights_only=False)

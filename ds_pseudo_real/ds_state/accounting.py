@@ -51,7 +51,7 @@ def total_parameter_numel(model: torch.nn.Module) -> int:
     import torch.distributed as dist
     from deepspeed.moe.utils import is_moe_param
 
-    from ..checkpoint import gather
+    from ..ranks import gather
 
     dense, experts = 0, {}
     for param in model.parameters():

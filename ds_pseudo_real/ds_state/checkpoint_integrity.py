@@ -24,10 +24,10 @@ def checksummed_writes(engine, folder: str, snapshot: Optional[Callable[[Any], A
 
     With ``snapshot`` (a function returning a copy of a state dict that later training leaves alone), nothing is
     written: yields {relative path: a function that writes that file's snapshot into a file object}, for a
-    writer thread to pass to :func:`~ds_pseudo_real.checkpoint.save_with_checksum` (torch's engine only)."""
+    writer thread to pass to :func:`~ds_pseudo_real.checksums.save_with_checksum` (torch's engine only)."""
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-    from ..checkpoint import save_with_checksum
+    from ..checksums import save_with_checksum
 
     checkpoint_engine = engine.checkpoint_engine
     written: Dict[str, Any] = {}

@@ -27,9 +27,9 @@ GLOO_ONLY = "gloo-only:"
 NCCL_TESTS = "test_nccl_collectives.py::"
 PATHS = "test_paths.py::"
 DRIVEN_BY: Dict[str, str] = {
-    "ds_pseudo_real/checkpoint.py:gather:all_gather_object":
+    "ds_pseudo_real/ranks.py:gather:all_gather_object":
         NCCL_TESTS + "test_the_delinks_object_gathers_and_barriers_use_the_ranks_gpu",
-    "ds_pseudo_real/checkpoint.py:barrier:barrier":
+    "ds_pseudo_real/ranks.py:barrier:barrier":
         NCCL_TESTS + "test_the_delinks_object_gathers_and_barriers_use_the_ranks_gpu",
     "ds_pseudo_real/ds_state/pipeline.py:total_parameter_numel:all_reduce":
         PATHS + "test_a_pipeline_with_granular_offload_runs_on_the_ranks_gpu",

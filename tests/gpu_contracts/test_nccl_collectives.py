@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "off
 from tiny_model import TinyLM, batch, offload_config  # noqa: E402
 
 import ds_pseudo_real  # noqa: E402
-from ds_pseudo_real import checkpoint as ckpt  # noqa: E402
+from ds_pseudo_real.ranks import barrier, gather  # noqa: E402
 from launch.trainer import evaluate, sum_over_ranks  # noqa: E402
 from megatron_patches.delink import _AdamState  # noqa: E402
 
@@ -117,8 +117,8 @@ def test_the_delinks_object_gathers_and_barriers_use_the_ranks_gpu(fake_nccl, mo
     """ds_pseudo_real.initialize makes the rank's device current, which NCCL's object collectives and barrier use
     (the delink and checkpoints gather results and fingerprints with them)."""
     offload_optimizer_as_built(monkeypatch, 2, {"0": "host_params", "1": "device", "2": "device", "3": "device"})
-    assert ckpt.gather({"rank": 3}) == [{"rank": 3}] * WORLD
-    ckpt.barrier()
+    assert gather({"rank": 3}) == [{"rank": 3}] * WORLD
+    barrier()
     assert [op for op, _ in fake_nccl.calls] == ["c10d::allgather_", "c10d::allgather_", "c10d::barrier"]
     assert all(devices == [CUDA3] * len(devices) for _, devices in fake_nccl.calls)
 

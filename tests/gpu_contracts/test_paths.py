@@ -13,10 +13,8 @@ holds can pass on rank 0 only: ZeRO 3 (whose ``assert_ints_same_as_other_ranks``
 of 8, still on GPU 3. A pipeline's first stage is driven: a later stage would wait for the first stage's activation
 shapes, which the fake group never sends."""
 import json
-import os
 import signal
 import sys
-import warnings
 import weakref
 from pathlib import Path
 from types import SimpleNamespace

@@ -237,8 +237,8 @@ def test_a_save_folder_in_use_by_another_run_is_refused(tmp_path):
     one before it trains or writes, with one error naming the holder."""
     env = dict(os.environ, PYTHONPATH=python_path())
     (tmp_path / "ckpt").mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from ds_pseudo_real import run_lock; "
-                               "run_lock.acquire(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from ds_pseudo_real.checkpointing import lock; "
+                               "lock.acquire(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
                                str(tmp_path / "ckpt")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env=env)
     try:

@@ -4,7 +4,6 @@ The package declares this module in its metadata (entry point group ``ds_pseudo_
 of the project knows of it."""
 from typing import ClassVar
 
-import torch
 from torch import nn
 
 from ds_pseudo_real.config import ConfigError

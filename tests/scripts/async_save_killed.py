@@ -4,7 +4,7 @@ out and trains on, until the test kills it with SIGKILL. Argument: the checkpoin
 import sys
 import time
 
-from ds_pseudo_real import checkpoint as ckpt
+from ds_pseudo_real import checksums
 from test_checkpoints import make, train
 
 folder = sys.argv[1]
@@ -13,7 +13,7 @@ train(engine, 2)
 engine.save_checkpoint(folder)
 engine.wait_for_checkpoints()
 train(engine, 3)
-real_save = ckpt.save_with_checksum
+real_save = checksums.save_with_checksum
 
 
 def written_then_stuck(save, path):
@@ -25,7 +25,7 @@ def written_then_stuck(save, path):
     return real_save(save_then_pause, path)
 
 
-ckpt.save_with_checksum = written_then_stuck
+checksums.save_with_checksum = written_then_stuck
 engine.save_checkpoint(folder)
 while True:  # training goes on while the checkpoint is written
     train(engine, engine.global_steps + 1)

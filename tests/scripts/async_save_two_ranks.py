@@ -11,7 +11,9 @@ import deepspeed
 import torch.distributed as dist
 
 import ds_pseudo_real
-from ds_pseudo_real import checkpoint as ckpt
+from ds_pseudo_real import checksums
+from ds_pseudo_real.checkpointing import folders as ckpt
+from ds_pseudo_real.checkpointing.verify import verify
 from delink_matrix import config, tiny_gpt, train_until
 
 folder = sys.argv[1]
@@ -24,7 +26,7 @@ def train(engine, until):
     return train_until(engine, until, lambda step: 10 + rank + 2 * step)  # each rank its own batches
 
 
-real_save = ckpt.save_with_checksum
+real_save = checksums.save_with_checksum
 
 
 def slow_on_rank1(save, path):
@@ -41,7 +43,7 @@ def full_disk_on_rank1(save, path):
 
 engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=ASYNC)
 train(engine, 2)
-ckpt.save_with_checksum = slow_on_rank1
+checksums.save_with_checksum = slow_on_rank1
 engine.save_checkpoint(folder)
 unpublished = 0
 for _ in range(3):  # rank 0's files are durable well before rank 1's
@@ -49,12 +51,12 @@ for _ in range(3):  # rank 0's files are durable well before rank 1's
     train(engine, engine.global_steps + 1)
     unpublished += int(rank == 0 and engine.checkpoint_in_flight is not None and ckpt.latest_tag(folder) is None)
 engine.wait_for_checkpoints()
-ckpt.save_with_checksum = real_save
+checksums.save_with_checksum = real_save
 published = ckpt.latest_tag(folder)
-verified = ckpt.verify(folder, "global_step2").ok  # collective
+verified = verify(folder, "global_step2").ok  # collective
 
 failing = engine.global_steps
-ckpt.save_with_checksum = full_disk_on_rank1
+checksums.save_with_checksum = full_disk_on_rank1
 engine.save_checkpoint(folder)
 error = None
 while error is None:
@@ -63,7 +65,7 @@ while error is None:
         time.sleep(0.05)
     except ckpt.CheckpointError as raised:
         error = {"message": str(raised), "step": engine.global_steps}
-ckpt.save_with_checksum = real_save
+checksums.save_with_checksum = real_save
 dist.barrier()
 partial_left = [name for name in os.listdir(folder) if name.endswith(ckpt.PARTIAL_SUFFIX)]
 saved = engine.global_steps

@@ -13,7 +13,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_checkpoints import TOTAL, batch_for, logits, make  # noqa: E402
 
-from ds_pseudo_real import checkpoint as ckpt  # noqa: E402
+from ds_pseudo_real.checkpointing import folders as ckpt  # noqa: E402
 
 deepspeed.init_distributed()
 engine = make(stage=2, seed=11)

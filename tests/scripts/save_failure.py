@@ -9,7 +9,8 @@ import deepspeed
 import torch.distributed as dist
 
 import ds_pseudo_real
-from ds_pseudo_real import checkpoint as ckpt
+from ds_pseudo_real.checkpointing import folders as ckpt
+from ds_pseudo_real import checksums
 from delink_matrix import config, tiny_gpt, train_until
 
 folder = sys.argv[1]
@@ -25,7 +26,7 @@ engine, *_ = ds_pseudo_real.initialize(model=tiny_gpt(), config=config(2, "fp32"
 train(engine, 2)
 engine.save_checkpoint(folder)
 train(engine, 3)
-real_save = ckpt.save_with_checksum
+real_save = checksums.save_with_checksum
 
 
 def full_disk_on_rank1(save, path):
@@ -34,13 +35,13 @@ def full_disk_on_rank1(save, path):
     return real_save(save, path)
 
 
-ckpt.save_with_checksum = full_disk_on_rank1
+checksums.save_with_checksum = full_disk_on_rank1
 try:
     engine.save_checkpoint(folder)
     error = None
 except ckpt.CheckpointError as raised:
     error = str(raised)
-ckpt.save_with_checksum = real_save
+checksums.save_with_checksum = real_save
 dist.barrier()
 partial_left = [name for name in os.listdir(folder) if name.endswith(ckpt.PARTIAL_SUFFIX)]
 engine.save_checkpoint(folder)
