@@ -35,7 +35,9 @@ from .moments import (
     MOMENT_KEYS, UnwrittenMoments, full_moments, replay_cpu_adam_steps, replay_kernel_steps, seed_optimizer_state,
     set_full_moments_of_copies, step_counters, unfilled, write_swapped_moments,
 )
-from .loss_scale import loss_scaler_state, saved_loss_scaler_state, set_loss_scaler_state
+from .loss_scale import (
+    current_loss_scale, loss_scaler_state, may_skip_steps, saved_loss_scaler_state, set_loss_scaler_state,
+)
 from .weights import full_fp32_param, gather_full_state, set_full_fp32_params
 from .nvme_checkpoint import (
     regather_persistent_parameters, restore_swapped_optimizer_state, swapped_state_files,

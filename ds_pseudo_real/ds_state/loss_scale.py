@@ -54,3 +54,16 @@ def saved_loss_scaler_state(optimizer_state: Optional[Dict[str, Any]]) -> Option
     holder = vars(scaler) if scaler is not None else optimizer_state
     state = {key: holder[key] for key in SCALER_STATE if key in holder}
     return state or None
+
+
+def current_loss_scale(engine) -> float:
+    """The scale ``engine``'s loss is multiplied by now (1.0 where its optimizer has no scaler: fp32, bf16)."""
+    holder = _holder(engine)
+    return float(getattr(holder, "cur_scale", 1.0)) if holder is not None else 1.0
+
+
+def may_skip_steps(engine) -> bool:
+    """Whether ``engine``'s optimizer skips a step for an inf or NaN gradient even without gradient clipping: fp16,
+    and bf16 with ``bf16.check_grad_overflow`` (DeepSpeed 0.19.8 ZeRO 1/2 ``check_grad_overflow``; with clipping
+    on, every dtype skips for an inf or NaN norm)."""
+    return bool(getattr(engine.optimizer, "check_grad_overflow", engine.fp16_enabled()))

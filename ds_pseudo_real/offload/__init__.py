@@ -229,7 +229,7 @@ def offload_optimizer(model: nn.Module, section: GranularOffloadConfig, training
     clip_grad = float(ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
     optimizer = GranularOffloadOptimizer(kept, pin_memory=section.pin_memory, host_params=host_params,
                                          own_groups=own, stream_gradients=plan.setup.streams_gradients,
-                                         clip_grad=clip_grad, device=device, **adam)
+                                         clip_grad=clip_grad, device=device, host_step=section.host_step, **adam)
     patched = copy.deepcopy(dict(ds_config))
     patched.pop("optimizer")
     patched["zero_allow_untested_optimizer"] = True  # a client optimizer under ZeRO
@@ -270,6 +270,10 @@ def attach_to_engine(engine) -> None:
         ds_state.drop_gradients_with(engine, optimizer.drop_own_gradients)
         optimizer.communication_dtype = engine.communication_data_type
         optimizer.reduce_group = ds_state.data_parallel_group()
+    if optimizer.ahead is not None:  # the host step during the backward: what it assumes, and when it may start
+        optimizer.ahead.boundary = engine.is_gradient_accumulation_boundary
+        optimizer.ahead.loss_scale = lambda: ds_state.current_loss_scale(engine)
+        optimizer.ahead.keep_backups = optimizer.clip_grad > 0.0 or ds_state.may_skip_steps(engine)
 
 
 def describe_offload_plan(plan: Optional[OffloadPlan]) -> str:

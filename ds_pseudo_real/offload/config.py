@@ -15,6 +15,7 @@ section asks for. Must not build models, optimizers or engines.
         "host_memory": "200GiB",          # refuse plans needing more host memory per rank (pinned: whole pages)
         "pcie_gb_per_s": 12, "cpu_adam_params_per_s": 5e8,   # the modelled step time (defaults in planner)
         "prefetch": true, "pin_memory": true,
+        "host_step": "overlapped",        # own groups stepped during the backward (default "sequential": after it)
         "model": {"num_layers": 48, "layer_params": 4200000, "expert_params": 409000000, "expert_parallel": 512,
                   "other_params": 22000000, "shared_groups": 1}  # for the plan command only (per rank)
     }
@@ -22,7 +23,7 @@ section asks for. Must not build models, optimizers or engines.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -83,6 +84,7 @@ class GranularOffloadConfig(SectionModel):
     cpu_adam_params_per_s: float = Field(DEFAULT_CPU_ADAM_PARAMS_PER_S, gt=0)
     prefetch: bool = True
     pin_memory: bool = True
+    host_step: Literal["sequential", "overlapped"] = "sequential"
     model: Optional[ModelSize] = None
 
     @field_validator("device_memory", "activation_bytes", "reserved", "host_memory", mode="before")

@@ -57,6 +57,8 @@ class OwnGradients:
         self._in_flight: List[_Flush] = []
         self._end_of_backward = EndOfBackward(self._flush_what_is_left)
         self.moved: Callable[[Dict[str, Any], int], None] = lambda group, size: None
+        # the host step during the backward (``ahead.HostStepAhead``), which may take a flush instead of the step
+        self.ahead = None
         self._hooks = ([p.register_post_accumulate_grad_hook(self._on_accumulated) for p in self._group_of]
                        if stream else [])
 
@@ -115,7 +117,9 @@ class OwnGradients:
             if cuda:
                 event = torch.cuda.Event()
                 event.record(stream)
-        self._in_flight.append(_Flush(params, event, staged))
+        flush = _Flush(params, event, staged)
+        if not (streamed and self.ahead is not None and self.ahead.take(group, flush)):
+            self._in_flight.append(flush)
         self.moved(group, sum(p.numel() * 4 for p in params))
         for p in params:
             p.grad = None
@@ -157,6 +161,8 @@ class OwnGradients:
     def settle(self) -> None:
         """Everything of this step on the host: gradients not flushed yet (without streaming) flushed, all copies
         waited for, params that got no gradient given a zero one (DeepSpeed steps those with zeros too)."""
+        if self.ahead is not None:
+            self.ahead.wait()  # it adds the gradients of the flushes it took
         self.collect()
         self._wait()
         for p in self._group_of:
@@ -201,6 +207,8 @@ class OwnGradients:
         for p in self._group_of:
             p.grad = None
         self._ready.clear()
+        if self.ahead is not None:
+            self.ahead.wait()
         self._wait()  # a copy still in flight would write a buffer after this
         self.received.clear()
 
@@ -208,3 +216,5 @@ class OwnGradients:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self.ahead is not None:
+            self.ahead.shutdown()

@@ -40,12 +40,15 @@ import torch
 from ds_pseudo_real import ds_state
 from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.offload import optimizer_state
+from ds_pseudo_real.offload.ahead import HostStepAhead, step_param
 from ds_pseudo_real.offload.gradients import OwnGradients
 from ds_pseudo_real.offload.host_adam import BATCH_NUMEL, HOST, HOST_PARAMS, HostAdam
 from ds_pseudo_real.offload.optimizer_state import OWN_GROUPS_KEY, place_state, steps_on_device
 from ds_pseudo_real.offload.planner import PlacementLevel
 
 _SCHEDULED_KEYS = ("lr", "betas")  # what LR/momentum schedulers set on param_groups: own groups follow them
+SEQUENTIAL, OVERLAPPED = "sequential", "overlapped"
+HOST_STEPS = (SEQUENTIAL, OVERLAPPED)  # granular_offload.host_step: when the own groups' host step runs
 
 
 def _fused_device_adam(params: List[torch.nn.Parameter], adamw_mode: bool, defaults: Dict[str, Any]):
@@ -75,7 +78,8 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True, bias_correction: bool = True,
                  pin_memory: bool = True, host_params=None, own_groups: Iterable[Dict[str, Any]] = (),
                  reduce_group=None, stream_gradients: bool = True, clip_grad: float = 0.0,
-                 batch_numel: int = BATCH_NUMEL, device: Optional[torch.device] = None):
+                 batch_numel: int = BATCH_NUMEL, device: Optional[torch.device] = None,
+                 host_step: str = SEQUENTIAL):
         groups = [dict(g) for g in param_groups]
         for g in groups:
             g["level"] = PlacementLevel(g.get("level", PlacementLevel.DEVICE)).value
@@ -100,6 +104,12 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         self.own_gradients = OwnGradients(self.own_param_groups, self.host, stream_gradients)
         self.own_gradients.reduce_group = reduce_group
         self.own_gradients.moved = self._count_moved
+        if host_step not in HOST_STEPS:
+            raise ValueError(f"host_step: got {host_step!r}; accepted: {list(HOST_STEPS)}")
+        # the own groups stepped during the backward (``ahead``); it needs gradients streamed as autograd ends them
+        self.ahead = (HostStepAhead(self.host, host_params, self.state_of, lambda: self.param_groups[0])
+                      if host_step == OVERLAPPED and self.own_param_groups and stream_gradients else None)
+        self.own_gradients.ahead = self.ahead
         self._own_stepped = False  # this optimizer step's own-group step is done (ZeRO 1/2 call step() per group)
         self.clip_grad = clip_grad
         # set by ``ds_state.include_in_gradient_norm``: this step's (global norm, loss scale), own gradients included
@@ -217,16 +227,16 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         self.own_gradients.settle()
         factor = self._gradient_factor() if factor is None else factor
         scheduled = self.param_groups[0]
+        done = self.ahead.accept(factor, scheduled, self.own_param_groups) if self.ahead is not None else set()
         for group in self.own_param_groups:
+            if id(group) in done:  # stepped during the backward with this factor
+                continue
             group.update({k: scheduled[k] for k in _SCHEDULED_KEYS if k in scheduled})
             for p in group["params"]:
-                grad = self.host.grad_buffers[p]
-                if factor != 1.0:
-                    grad.mul_(factor)
                 state = self.host.state(p, self.state_of(p))
                 state["step"] += 1
                 master = self.host.master(p, HOST_PARAMS)
-                self.host.adam_update(group, state["step"], master, grad, state["exp_avg"], state["exp_avg_sq"])
+                step_param(self.host, group, state, master, self.host.grad_buffers[p], factor)
                 host = self.host_params.host_tensor(p)
                 if master is not host:
                     host.copy_(master)  # bf16: round the master into the host params (no device copy)
@@ -247,7 +257,10 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
     def drop_own_gradients(self) -> None:
         """Forget the own groups' gradients not stepped yet, on the device and in the host buffers; their weights,
         moments and step counts stay. What DeepSpeed does with its own gradients when it zeroes them, which it
-        does after every optimizer step, a skipped one (inf or NaN gradients) included."""
+        does after every optimizer step, a skipped one (inf or NaN gradients) included: groups stepped during the
+        backward of a skipped step are restored."""
+        if self.ahead is not None:
+            self.ahead.discard(self.own_param_groups)
         self.own_gradients.drop()
         self._own_stepped = False
 
