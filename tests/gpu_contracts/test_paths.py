@@ -66,6 +66,9 @@ MAIN_JOB_CASES = {
     "zero3": (3, None, 0, "fp32"),
     "zero2_host_params_bf16": (2, {"0": "host_params", "1": "host_optimizer"}, 3, "bf16"),
     "zero2_host_params_fp16": (2, {"0": "host_params", "1": "host_optimizer"}, 3, "fp16"),
+    # layer 0 stepped by the worker thread during the backward (its copies and events from another thread)
+    "zero2_host_step_overlapped_fp16": (2, {"0": "host_params", "1": "host_optimizer", "host_step": "overlapped"},
+                                        3, "fp16"),
 }
 
 
@@ -84,9 +87,17 @@ def test_the_main_jobs_loop_runs_on_the_ranks_gpu(fake_world, stage, levels, dty
            "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
            "zero_optimization": {"stage": stage},
            "pseudo_to_real": {"groups": 1, "switch": {"at_step": 2}, "optimizer_state": "scale"}}
+    stepped_ahead = []
     if levels:
-        cfg["granular_offload"] = {"levels": levels}
+        levels = dict(levels)
+        host_step = levels.pop("host_step", "sequential")
+        cfg["granular_offload"] = {"levels": levels, "host_step": host_step}
         del cfg["optimizer"]["params"]["torch_adam"]  # granular offload steps with DeepSpeed's kernels
+        from ds_pseudo_real.offload.ahead import HostStepAhead
+
+        step_ahead = HostStepAhead._step
+        monkeypatch.setattr(HostStepAhead, "_step", lambda self, *a: (stepped_ahead.append(a[0]["placement"]),
+                                                                       step_ahead(self, *a)))
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif dtype == "fp16":
@@ -110,6 +121,10 @@ def test_the_main_jobs_loop_runs_on_the_ranks_gpu(fake_world, stage, levels, dty
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+    # the overlapped host step: layer 0 of the pseudo model (the first step learns) and of the real one (the delink
+    # builds a new optimizer, which learns at step 3), stepped ahead at steps 2 and 4
+    overlapped = cfg.get("granular_offload", {}).get("host_step") == "overlapped"
+    assert stepped_ahead == (["layer0"] * 2 if overlapped else [])
     # 4 steps' loss sums (with the stop flag) and 2 evaluations, each one all-reduce of a tensor on cuda:3
     assert summed == [(2, CUDA3)] * 2 + [(1, CUDA3)] + [(2, CUDA3)] * 2 + [(1, CUDA3)]
     # the last step's checkpoint: this rank's partition of the optimizer state under ZeRO (rank 0 publishes the
