@@ -182,7 +182,7 @@ class NodeFit(NamedTuple):
 
 def describe_node_fit(fit: NodeFit, name: str = "node") -> str:
     """One line: fits, or not and what would."""
-    head = (f"{name}: {fit.ranks} ranks x ({format_bytes(fit.plan_bytes)} plan + {format_bytes(fit.process_bytes)} "
+    head = (f"{name}: {fit.ranks} rank{'s' if fit.ranks != 1 else ''} x ({format_bytes(fit.plan_bytes)} plan + {format_bytes(fit.process_bytes)} "
             f"process) + {format_bytes(fit.reserve_bytes)} reserve = {format_bytes(fit.needed())} of host memory, ")
     if fit.fits:
         return head + f"within the node's {format_bytes(fit.node_bytes)}: fits"

@@ -168,7 +168,7 @@ def test_plan_command_calibrates_saves_and_reuses(tmp_path, capsys, monkeypatch)
     assert "calibrating:" in captured.err and f"wrote {saved}" in captured.err
     rate = f"host Adam {measured.cpu_adam_params_per_s:.3g} params/s (measured on {measured.host}, "
     assert rate in captured.out
-    assert f"node (measured on {measured.host}: {measured.node_cores} cores): 1 ranks x" in captured.out
+    assert f"node (measured on {measured.host}: {measured.node_cores} cores): 1 rank x" in captured.out
     # reused: the same figures, nothing measured
     assert plan(config, "--calibration", str(saved), "--ranks-per-node", "3") == 0
     again = capsys.readouterr()
