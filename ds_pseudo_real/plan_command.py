@@ -3,7 +3,9 @@
 Owns: argument parsing and printing. The config is read once (``ds_pseudo_real.run_config``), with the flags in
 place of its keys; the numbers come from ``planner`` (byte model) and ``config`` (section); the per-rank parameter
 counts from the flags, else the config's ``"m6"`` architecture (``ds_pseudo_real.moe.architecture``: dense layer,
-experts over ``m6.expert_parallel`` ranks, embeddings), else ``granular_offload.model``.
+experts over ``m6.expert_parallel`` ranks, embeddings), else ``granular_offload.model``. After the plan, its step per
+way of running the host step (``offload.step_time``), at the config's rates or those ``offload.calibrate`` measures,
+and, given the node, whether its host memory holds its ranks' plans.
 """
 from __future__ import annotations
 
@@ -114,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--calibration", metavar="FILE", help="model with what an earlier --calibrate wrote to FILE")
     step.add_argument("--calibration-out", metavar="FILE", help="write what --calibrate measures to FILE (JSON)")
     step.add_argument("--ranks-per-node", type=_positive_int,
-                      help="ranks on one node: --calibrate gives each node cores / this threads (default: the "
-                           "node's GPUs, 1 without); with the node's memory, says whether their plans fit it")
+                      help="ranks on one node: --calibrate gives each rank the node's cores / this threads "
+                           "(default: the node's GPUs, 1 without); with the node's memory, says whether their plans "
+                           "fit it")
     step.add_argument("--host-memory-per-node", type=_byte_arg,
                       help="the node's memory, e.g. 512GiB (default: measured by --calibrate)")
     return parser
