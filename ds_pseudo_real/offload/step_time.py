@@ -22,7 +22,8 @@ Per optimizer step of GA micro-batches, on one rank:
           out_g = max(out_prev, r_g) + gradient_g / PCIe
           cpu_g = max(cpu_prev, out_g) + host_numel_g / host Adam rate
           in_g  = max(in_prev, cpu_g) + master_g / PCIe
-      step = max(s + b, out_last, cpu_last, in_last): the backward, plus whatever host work is left when it ends.
+      step = max(s + b, out_last, cpu_last, in_last): the backward, plus whatever host work is left when it ends
+      (the copies in do not wait for the backward's fetches, which share their direction: optimistic there).
       Never more than ``sequential`` (each term is a sum of some of its terms), never less than the backward.
   ``delayed`` (ZeRO-Offload's delayed parameter update): the whole host step of step t runs during the forward
       and backward of step t + 1: step = max(GA x (f + b), H), H the chain above with every group ready at 0.
