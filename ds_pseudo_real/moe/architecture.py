@@ -90,6 +90,14 @@ def total_parameters(arch: M6Architecture, groups: Optional[int] = None) -> int:
     return embedding_parameters(arch) + sum(layer_parameter_counts(arch, groups))
 
 
+def active_parameters_per_token(arch: M6Architecture) -> int:
+    """Parameters a token meets in the forward: every layer's dense part and one expert in each prototype (top-1
+    routing inside each), and the embeddings (the head is tied); the same for the pseudo model, whose layers share."""
+    expert = 2 * arch.hidden_size * arch.expert_ffn_size
+    per_layer = dense_parameters_per_layer(arch) + arch.num_prototypes * expert
+    return arch.num_layers * per_layer + embedding_parameters(arch)
+
+
 def architecture_from_dict(raw: Mapping[str, Any]) -> M6Architecture:
     """An architecture from a config section: ``{"preset": "m6-10t", ...overrides}`` or every field given."""
     raw = dict(raw)

@@ -270,13 +270,25 @@ def test_m6_10t_v100_config_plans_fp16_within_32_gib(capsys):
     assert job.config.training.dtype == "fp16" and job.config.training.zero_stage == 1
     stored = (REPO / "benchmarks" / "results" / "m6_10t_v100_plan.txt").read_text()
     printed = {}
-    for flags in ([], ["--shared-groups", "1"]):
+    dgx1, dgx2 = ("--ranks-per-node", "8", "--host-memory-per-node", "512GiB"), ("--ranks-per-node", "16",
+                                                                                "--host-memory-per-node", "1536GiB")
+    for flags in ([], ["--shared-groups", "1"], dgx1, dgx2):
         assert cli_main(["plan", "--config", config, "--world-size", "512", *flags]) == 0
         printed[tuple(flags)] = out = capsys.readouterr().out
         assert "granular offload plan: fp16, ZeRO stage 1, data-parallel 512, gradient accumulation 1, budget " \
                "31.75 GiB" in out
         assert out in stored
     assert "without offload: device 10.52 GiB per rank (fits 31.75 GiB)" in printed[("--shared-groups", "1")]
+    # a node's ranks need their plans' 307.75 GiB each, plus 4 GiB per process and 16 GiB for the node: a DGX-1
+    # holds 1 of its 8, a DGX-2 4 of its 16
+    assert ("node: 8 ranks x (307.75 GiB plan + 4.00 GiB process) + 16.00 GiB reserve = 2.45 TiB of host memory, "
+            "above the node's 512.00 GiB: does not fit; at most 1 rank per node fits") in printed[dgx1]
+    assert ("16 ranks x (307.75 GiB plan + 4.00 GiB process) + 16.00 GiB reserve = 4.89 TiB of host memory, above "
+            "the node's 1.50 TiB: does not fit; at most 4 ranks per node fit (1.23 TiB)") in printed[dgx2]
+    # the step at the config's rates (5e8 params/s, 12 GB/s): the 36.8 s of host Adam overlap the backward
+    assert ("sequential (compute, then copies and host Adam) 59.5 s, overlapped (each host group stepped during the "
+            "backward) 40.2 s = 0.68 x sequential, delayed (the host step during the next step's forward and "
+            "backward) 37.1 s") in printed[()]
     real = printed[()]
     assert "device total 29.39 GiB (31552036272 B)" in real and 31552036272 < 32 * 2**30
     assert cli_main(["plan", "--config", str(REPO / "configs" / "offload_m6_10t.json"), "--world-size", "512"]) == 0

@@ -1,0 +1,195 @@
+"""The modelled time of an optimizer step with granular offload, per way of running the host step, and whether a
+node's host memory holds its ranks' plans: plain functions over an ``OffloadPlan``.
+
+Owns: the step-time model (device compute from an assumed rate, the plan's copies and host Adam at the setup's
+rates) in three modes, and the node check. Must not import torch, DeepSpeed or Megatron, nor measure anything
+(``offload.calibrate`` measures the rates; the plan command hands them in through the setup).
+
+Per optimizer step of GA micro-batches, on one rank:
+  compute: a micro-batch's forward is 2 x P x T FLOPs (P: the parameters a token meets on this rank, for an MoE
+      layer its dense part and the experts it is routed to; T: tokens of the micro-batch), its backward twice that,
+      plus the forward again under activation checkpointing, at ``flops_per_s``.
+  a group's host work: its fetches (host_params: params in for every forward and backward, half each), then after
+      its backward its gradient out, its host Adam, then (host_optimizer) its master in; the bytes add up to the
+      plan's ``moved_bytes_per_step`` and the elements to its ``host_stepped_numel``.
+  ``sequential`` (today's): the compute, then the copies, then the host Adam, one after the other:
+      GA x (F + B) + ``transfer_seconds`` + ``host_adam_seconds``; compute + ``offload_seconds_per_step``.
+  ``overlapped``: a micro-batch's forward takes f = max(F, its fetches in / PCIe), its backward b = max(B, its
+      fetches in / PCIe) (prefetched, hidden when the compute is longer). In the last micro-batch's backward, which
+      starts at s = GA x f + (GA - 1) x b, the backward passes layer i of L at r_i = s + (L - i) / L x b (``other``:
+      at s + b). Groups in backward order, three resources each taken in turn (PCIe out, the host's cores, PCIe in;
+      PCIe is full duplex):
+          out_g = max(out_prev, r_g) + gradient_g / PCIe
+          cpu_g = max(cpu_prev, out_g) + host_numel_g / host Adam rate
+          in_g  = max(in_prev, cpu_g) + master_g / PCIe
+      step = max(s + b, out_last, cpu_last, in_last): the backward, plus whatever host work is left when it ends
+      (the copies in do not wait for the backward's fetches, which share their direction: optimistic there).
+      Never more than ``sequential`` (each term is a sum of some of its terms), never less than the backward.
+  ``delayed`` (ZeRO-Offload's delayed parameter update): the whole host step of step t runs during the forward
+      and backward of step t + 1: step = max(GA x (f + b), H), H the chain above with every group ready at 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, List, Mapping, NamedTuple, Optional
+
+from ds_pseudo_real.offload.planner import OffloadPlan, PlacementLevel, format_bytes, host_numel_stepped
+
+GIB = 2**30
+
+# Default device rate: a V100-SXM2's fp16 tensor-core peak (125 TFLOPS) at 25 % achieved, as MoE training with its
+# all-to-alls reaches on it; an assumption, printed as one (``ds-pseudo-real plan --gpu-tflops``).
+DEFAULT_DEVICE_FLOPS = 125e12 * 0.25
+# Host memory of a node that the ranks' plans cannot have: the OS and its page cache (the data files), and per rank
+# the process itself (torch's and CUDA's libraries and host-side context, DeepSpeed's buffers, data-loader workers).
+NODE_RESERVE_BYTES = 16 * GIB
+PROCESS_HOST_BYTES = 4 * GIB
+
+
+@dataclass(frozen=True)
+class Compute:
+    """The device's work on one micro-batch on one rank."""
+
+    active_params: int  # parameters a token meets on this rank (MoE: dense + the experts it is routed to)
+    tokens: int  # tokens of one micro-batch on this rank
+    flops_per_s: float
+    recompute: bool = False  # activation checkpointing: the backward runs the forward again
+
+    @property
+    def forward_seconds(self) -> float:
+        return 2 * self.active_params * self.tokens / self.flops_per_s
+
+    @property
+    def backward_seconds(self) -> float:
+        return (3 if self.recompute else 2) * self.forward_seconds
+
+
+NO_COMPUTE = Compute(0, 0, 1.0)
+
+
+class GroupWork(NamedTuple):
+    """One offloaded group's host work per optimizer step."""
+
+    name: str
+    position: Optional[int]  # the layer whose backward completes its gradient; None: after the whole backward
+    fetch_bytes: int  # params in, for every micro-batch's forward and backward (half each)
+    gradient_bytes: int  # out, after its backward
+    master_bytes: int  # in, after its host Adam
+    host_numel: int
+
+
+class StepTimes(NamedTuple):
+    """Modelled seconds of one optimizer step (``forward``, ``backward``: all micro-batches', with the fetches)."""
+
+    forward: float
+    backward: float
+    sequential: float
+    overlapped: float
+    delayed: float
+
+    @property
+    def overlapped_ratio(self) -> float:
+        return self.overlapped / self.sequential if self.sequential else 1.0
+
+
+def group_work(plan: OffloadPlan) -> List[GroupWork]:
+    """The offloaded groups' host work in backward order (later layers first, ``other`` last)."""
+    setup = plan.setup
+    work = []
+    for p in plan.placements:
+        if p.level is PlacementLevel.DEVICE:
+            continue
+        fetch = 0
+        if p.level is PlacementLevel.HOST_PARAMS:
+            fetch = 2 * setup.gradient_accumulation_steps * p.group.uses * p.group.numel * setup.working_bytes
+        master = p.bytes.moved_per_step // 2 if p.level is PlacementLevel.HOST_OPTIMIZER else 0
+        numel = host_numel_stepped(p.group.numel, p.level, setup, p.group.dp_size)
+        work.append(GroupWork(p.group.name, p.group.index if p.group.is_layer else None, fetch,
+                              p.bytes.moved_per_step - fetch - master, master, numel))
+    return sorted(work, key=lambda w: -1 if w.position is None else w.position, reverse=True)
+
+
+def host_chain_end(work: Iterable[GroupWork], ready: Iterable[float], pcie_bytes_per_s: float,
+                   adam_params_per_s: float) -> float:
+    """When the last of the groups' gradient out, host Adam and master in ends, each group starting at its ready
+    time, the three resources taken in the groups' order (the module docstring's recurrence)."""
+    out = cpu = back = 0.0
+    for w, r in zip(work, ready):
+        out = max(out, r) + w.gradient_bytes / pcie_bytes_per_s
+        cpu = max(cpu, out) + w.host_numel / adam_params_per_s
+        back = max(back, cpu) + w.master_bytes / pcie_bytes_per_s
+    return max(out, cpu, back)
+
+
+def step_times(plan: OffloadPlan, compute: Compute = NO_COMPUTE) -> StepTimes:
+    """The step in each mode (module docstring) for ``plan`` at its setup's rates, ``compute`` per micro-batch."""
+    setup = plan.setup
+    ga, pcie, adam = setup.gradient_accumulation_steps, setup.pcie_bytes_per_s, setup.cpu_adam_params_per_s
+    work = group_work(plan)
+    fetch_each_way = sum(w.fetch_bytes for w in work) / (2 * ga) / pcie  # one micro-batch's forward (or backward)
+    f = max(compute.forward_seconds, fetch_each_way)
+    b = max(compute.backward_seconds, fetch_each_way)
+    sequential = ga * (compute.forward_seconds + compute.backward_seconds) + plan.offload_seconds_per_step
+    start = ga * f + (ga - 1) * b
+    layers = max((p.group.index + p.group.uses for p in plan.placements if p.group.is_layer), default=1)
+    ready = [start + b * (1 if w.position is None else (layers - w.position) / layers) for w in work]
+    overlapped = max(start + b, host_chain_end(work, ready, pcie, adam))
+    delayed = max(ga * (f + b), host_chain_end(work, [0.0] * len(work), pcie, adam))
+    return StepTimes(ga * f, ga * b, sequential, overlapped, delayed)
+
+
+def describe_step_times(times: StepTimes, plan: OffloadPlan, compute: Compute, sources: Mapping[str, str]) -> str:
+    """Two lines: the rates and what each rests on (``sources``: "measured ..." or "assumed ..." per rate name
+    ``host_adam``, ``pcie``, ``device``), and the step per mode."""
+    s = plan.setup
+    if compute.tokens:
+        device = (f"device {compute.flops_per_s / 1e12:.4g} TFLOPS ({sources['device']}; {compute.active_params:,} "
+                  f"parameters a token meets x {compute.tokens:,} tokens a micro-batch"
+                  + (", the forward recomputed in the backward" if compute.recompute else "") + ")")
+    else:
+        device = "device compute not modelled (no tokens per micro-batch: give granular_offload.activations)"
+    return "\n".join([
+        f"rates: host Adam {s.cpu_adam_params_per_s:.3g} params/s ({sources['host_adam']}), PCIe "
+        f"{s.pcie_bytes_per_s / 1e9:.3g} GB/s ({sources['pcie']}), {device}",
+        f"modelled step: forward {times.forward:.3g} s, backward {times.backward:.3g} s; sequential (compute, then "
+        f"copies and host Adam) {times.sequential:.3g} s, overlapped (each host group stepped during the backward) "
+        f"{times.overlapped:.3g} s = {times.overlapped_ratio:.2f} x sequential, delayed (the host step during the "
+        f"next step's forward and backward) {times.delayed:.3g} s",
+    ])
+
+
+class NodeFit(NamedTuple):
+    """The host memory ``ranks`` ranks' plans need on one node against the node's."""
+
+    ranks: int
+    plan_bytes: int  # one rank's plan: its host memory (pinned: whole pages)
+    node_bytes: int
+    reserve_bytes: int = NODE_RESERVE_BYTES
+    process_bytes: int = PROCESS_HOST_BYTES
+
+    def needed(self, ranks: Optional[int] = None) -> int:
+        ranks = self.ranks if ranks is None else ranks
+        return ranks * (self.plan_bytes + self.process_bytes) + self.reserve_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.needed() <= self.node_bytes
+
+    @property
+    def most_ranks(self) -> int:
+        """The most ranks per node whose plans fit (0: not even one)."""
+        return max(0, (self.node_bytes - self.reserve_bytes) // (self.plan_bytes + self.process_bytes))
+
+
+def describe_node_fit(fit: NodeFit, name: str = "node") -> str:
+    """One line: fits, or not and what would."""
+    head = (f"{name}: {fit.ranks} rank{'s' if fit.ranks != 1 else ''} x ({format_bytes(fit.plan_bytes)} plan + {format_bytes(fit.process_bytes)} "
+            f"process) + {format_bytes(fit.reserve_bytes)} reserve = {format_bytes(fit.needed())} of host memory, ")
+    if fit.fits:
+        return head + f"within the node's {format_bytes(fit.node_bytes)}: fits"
+    most = fit.most_ranks
+    instead = (f"at most {most} rank{'s' if most != 1 else ''} per node fit{'' if most != 1 else 's'} "
+               f"({format_bytes(fit.needed(most))})" if most else "not even one rank fits")
+    return (head + f"above the node's {format_bytes(fit.node_bytes)}: does not fit; {instead}, or put the optimizer "
+            f"state on NVMe with DeepSpeed's ZeRO-3 NVMe tier (zero_optimization.offload_optimizer device nvme, "
+            f"which the delink supports; granular offload places nothing on NVMe)")

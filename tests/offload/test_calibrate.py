@@ -1,0 +1,209 @@
+"""The plan's step-time model per mode, the node check, and the calibration that measures the rates here."""
+import json
+import math
+import os
+from itertools import product
+
+import pytest
+
+from ds_pseudo_real.cli import main as cli_main
+from ds_pseudo_real.offload import calibrate as calibration
+from ds_pseudo_real.offload.planner import PlacementLevel, TrainingSetup, place, uniform_groups
+from ds_pseudo_real.offload.step_time import Compute, NodeFit, describe_node_fit, group_work, step_times
+
+GIB = 2**30
+HOST_OPTIMIZER, HOST_PARAMS = PlacementLevel.HOST_OPTIMIZER, PlacementLevel.HOST_PARAMS
+# M6-10T's V100 plan: host memory per rank, pinned (benchmarks/results/m6_10t_v100_plan.txt)
+M6_HOST_BYTES = 330448650240
+
+
+def small_plan(levels, ga=1):
+    """4 fp32 layers of 1000 params at ZeRO 0; PCIe 4000 B/s and 1000 host Adam params/s make the seconds round."""
+    setup = TrainingSetup("fp32", 0, pcie_bytes_per_s=4000, cpu_adam_params_per_s=1000, gradient_accumulation_steps=ga)
+    return place(uniform_groups(4, 1000), levels, setup)
+
+
+# 1000 params a token meets x 500 tokens, 2 FLOPs each at 1e6 FLOP/s: a 1 s forward, a 2 s backward
+COMPUTE = Compute(1000, 500, 1e6)
+
+
+def test_each_mode_on_a_plan_computed_by_hand():
+    plan = small_plan({"layer2": HOST_OPTIMIZER, "layer3": HOST_PARAMS})
+    # layer3 (host_params, fp32 ZeRO 0): its params in for the forward and the backward (4000 B each), its gradient
+    # out (4000 B), 1000 params stepped; layer2 (host_optimizer): gradient out, master in (4000 B each), 1000 params
+    assert [tuple(w) for w in group_work(plan)] == [("layer3", 3, 8000, 4000, 0, 1000),
+                                                    ("layer2", 2, 0, 4000, 4000, 1000)]
+    assert (plan.transfer_seconds, plan.host_adam_seconds) == (5.0, 2.0)
+    times = step_times(plan, COMPUTE)
+    # forward max(1, 4000 B / 4000 B/s) = 1 s; backward max(2, 1) = 2 s; sequential 1 + 2 + 5 + 2
+    assert (times.forward, times.backward, times.sequential) == (1.0, 2.0, 10.0)
+    # the backward passes layer3 at 1 + 2 / 4 = 1.5 s, layer2 at 2 s. layer3: out 1.5 + 1 = 2.5, Adam 2.5 + 1 = 3.5;
+    # layer2: out max(2.5, 2) + 1 = 3.5, Adam 3.5 + 1 = 4.5, master in 4.5 + 1 = 5.5
+    assert times.overlapped == 5.5 and times.overlapped_ratio == 0.55
+    # delayed: the chain from 0 (layer3 out 1, Adam 2; layer2 out 2, Adam 3, in 4) during the 3 s of compute
+    assert times.delayed == 4.0
+
+
+def test_gradient_accumulation_delays_the_host_work_to_the_last_backward():
+    plan = small_plan({"layer3": HOST_PARAMS}, ga=2)
+    # fetched in every micro-batch's forward and backward: 16000 B; gradient out once (ZeRO 0), 1000 params
+    assert [tuple(w) for w in group_work(plan)] == [("layer3", 3, 16000, 4000, 0, 1000)]
+    times = step_times(plan, COMPUTE)
+    assert (times.forward, times.backward, times.sequential) == (2.0, 4.0, 6.0 + 20000 / 4000 + 1)
+    # the last backward starts at 2 x 1 + 2 = 4 s and passes layer3 at 4.5 s: out 5.5, Adam 6.5
+    assert times.overlapped == 6.5 and times.delayed == 6.0
+
+
+def test_overlapped_between_the_backward_and_sequential_for_every_placement():
+    for chosen in product([PlacementLevel.DEVICE, HOST_OPTIMIZER, HOST_PARAMS], repeat=4):
+        plan = small_plan({f"layer{i}": level for i, level in enumerate(chosen)})
+        for compute in (COMPUTE, Compute(1000, 50, 1e6), Compute(1000, 5000, 1e6, recompute=True)):
+            times = step_times(plan, compute)
+            assert times.backward <= times.overlapped <= times.sequential + 1e-12, chosen
+            assert times.forward + times.backward <= times.delayed <= times.sequential + 1e-12, chosen
+
+
+def test_nothing_on_the_host_is_the_compute_in_every_mode():
+    times = step_times(small_plan({}), COMPUTE)
+    assert times == (1.0, 2.0, 3.0, 3.0, 3.0)
+
+
+def test_delayed_hides_a_host_step_shorter_than_the_forward_and_backward():
+    plan = small_plan({"layer2": HOST_OPTIMIZER})  # 1 s out, 1 s Adam, 1 s in
+    long = Compute(1000, 5000, 1e6)  # 10 s forward, 20 s backward
+    times = step_times(plan, long)
+    assert times.delayed == 30.0 and times.sequential == 33.0
+    # in the backward of layer2 (ready at 10 + 10 s), its 3 s of host work outlast the last 10 s of the backward
+    assert times.overlapped == 30.0
+
+
+def test_node_check_refuses_naming_the_ranks_that_fit():
+    dgx1 = NodeFit(8, M6_HOST_BYTES, 512 * GIB)
+    assert not dgx1.fits and dgx1.needed() == 8 * (M6_HOST_BYTES + 4 * GIB) + 16 * GIB
+    assert dgx1.most_ranks == 1  # (512 - 16) GiB // (307.75 + 4) GiB
+    line = describe_node_fit(dgx1, "DGX-1")
+    assert line.startswith("DGX-1: 8 ranks x (307.75 GiB plan + 4.00 GiB process) + 16.00 GiB reserve = 2.45 TiB of "
+                           "host memory, above the node's 512.00 GiB: does not fit; at most 1 rank per node fits "
+                           "(327.75 GiB), or put the optimizer state on NVMe")
+    assert NodeFit(16, M6_HOST_BYTES, 1536 * GIB).most_ranks == 4
+    one = NodeFit(1, M6_HOST_BYTES, 512 * GIB)
+    assert one.fits and describe_node_fit(one).endswith("within the node's 512.00 GiB: fits")
+    assert "not even one rank fits" in describe_node_fit(NodeFit(2, 600 * GIB, 512 * GIB))
+
+
+def test_calibration_measures_this_machine():
+    lines = []
+    measured = calibration.calibrate(1, numel=4 * 2**20, repeats=3, progress=lines.append)
+    assert 1e6 < measured.cpu_adam_params_per_s < math.inf
+    meminfo = open("/proc/meminfo").read()
+    total = int(meminfo.split("MemTotal:")[1].split()[0]) * 1024
+    assert measured.node_memory_bytes == total > GIB
+    assert measured.node_cores == len(os.sched_getaffinity(0)) == measured.cpu_adam_threads
+    assert 0 < measured.cpu_share <= 1.5
+    if measured.device == "cpu":
+        assert measured.pcie_bytes_per_s is None and any("PCIe: not measured" in line for line in lines)
+    assert sum("host Adam" in line and "step" in line for line in lines) == 4  # a warm-up and 3 timed steps
+
+
+def _thread_ticks():
+    """CPU clock ticks (user + system) of each thread of this process."""
+    ticks = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        ticks[tid] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def test_the_thread_count_reaches_the_kernel():
+    """torch.set_num_threads sets the OpenMP team DeepSpeed's kernel runs on: with 2 threads two of the process's
+    threads do its work, with 1 only one."""
+    calibration.cpu_adam_rate(1, numel=2**20, repeats=1)  # the op loaded, the buffers' pages known
+    for threads in (1, 2):
+        before = _thread_ticks()
+        calibration.cpu_adam_rate(threads, numel=8 * 2**20, repeats=4)
+        after = _thread_ticks()
+        busy = [tid for tid in after if after[tid] - before.get(tid, 0) >= 2]
+        assert len(busy) == threads, (threads, before, after)
+
+
+def write_config(tmp_path):
+    """Four fp32 layers of 1000 params, layer2 at host_optimizer and layer3 at host_params, the rates of
+    small_plan, and 500 tokens a micro-batch: with 4000 params a token meets at --gpu-tflops 4e-6, the compute of
+    COMPUTE."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 0}, "granular_offload": {
+        "levels": {"2": "host_optimizer", "3": "host_params"}, "pcie_gb_per_s": 4e-6, "cpu_adam_params_per_s": 1000,
+        "activations": {"micro_batch": 1, "seq_len": 500, "hidden": 8, "heads": 1},
+        "model": {"num_layers": 4, "layer_params": 1000}}}))
+    return str(path)
+
+
+def plan(config, *flags):
+    return cli_main(["plan", "--config", config, "--accelerator", "cpu", "--gpu-tflops", "4e-6", *flags])
+
+
+def test_plan_command_prints_each_mode_and_the_node(tmp_path, capsys):
+    config = write_config(tmp_path)
+    assert plan(config, "--ranks-per-node", "2", "--host-memory-per-node", "40GiB") == 0
+    out = capsys.readouterr().out
+    assert ("rates: host Adam 1e+03 params/s (assumed: granular_offload.cpu_adam_params_per_s), PCIe 4e-06 GB/s "
+            "(assumed: granular_offload.pcie_gb_per_s), device 4e-06 TFLOPS (assumed: --gpu-tflops; 4,000 parameters "
+            "a token meets x 500 tokens a micro-batch)\n") in out
+    assert ("modelled step: forward 1 s, backward 2 s; sequential (compute, then copies and host Adam) 10 s, "
+            "overlapped (each host group stepped during the backward) 5.5 s = 0.55 x sequential, delayed (the host "
+            "step during the next step's forward and backward) 4 s\n") in out
+    # host: layer2's master, gradient buffer and moments, layer3's params, gradient buffer and moments: 4 x 4000 B
+    # each, unpinned on the CPU
+    assert ("node: 2 ranks x (31.25 KiB plan + 4.00 GiB process) + 16.00 GiB reserve = 24.00 GiB of host memory, "
+            "within the node's 40.00 GiB: fits") in out
+
+
+def test_plan_command_calibrates_saves_and_reuses(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(calibration, "ADAM_NUMEL", 4 * 2**20)
+    config, saved = write_config(tmp_path), tmp_path / "calibration.json"
+    assert plan(config, "--calibrate", "--calibration-out", str(saved)) == 0
+    captured = capsys.readouterr()
+    measured = calibration.Calibration.load(str(saved))
+    assert "calibrating:" in captured.err and f"wrote {saved}" in captured.err
+    rate = f"host Adam {measured.cpu_adam_params_per_s:.3g} params/s (measured on {measured.host}, "
+    assert rate in captured.out
+    assert f"node (measured on {measured.host}: {measured.node_cores} cores): 1 rank x" in captured.out
+    # reused: the same figures, nothing measured
+    assert plan(config, "--calibration", str(saved), "--ranks-per-node", "3") == 0
+    again = capsys.readouterr()
+    assert rate in again.out and "3 ranks x" in again.out and "calibrating" not in again.err
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--ranks-per-node", "0"], "argument --ranks-per-node: expected an integer >= 1, got '0'"),
+    (["--gpu-tflops", "0"], "argument --gpu-tflops: expected a number > 0, got '0'"),
+    (["--gpu-tflops", "fast"], "argument --gpu-tflops: expected a number > 0, got 'fast'"),
+    (["--host-memory-per-node", "lots"], "argument --host-memory-per-node: expected a byte count like"),
+])
+def test_bad_flags_name_the_flag(tmp_path, capsys, flags, error):
+    with pytest.raises(SystemExit):
+        plan(write_config(tmp_path), *flags)
+    assert error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--host-memory-per-node", "512GiB"], "--host-memory-per-node: the node check needs --ranks-per-node too"),
+    (["--ranks-per-node", "8"], "--ranks-per-node: got 8; the node check needs the node's memory: "
+                                "--host-memory-per-node, --calibrate or --calibration"),
+    (["--calibration-out", "x.json"], "--calibration-out: got 'x.json' without --calibrate"),
+    (["--calibrate", "--calibration", "x.json"], "--calibration: got 'x.json' with --calibrate; accepted: one"),
+    (["--calibration", "/nonexistent.json"], "--calibration: cannot read /nonexistent.json"),
+])
+def test_inconsistent_flags_are_refused_in_one_line(tmp_path, capsys, flags, error):
+    assert plan(write_config(tmp_path), *flags) == 2
+    err = capsys.readouterr().err
+    assert error in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_file_that_is_no_calibration_is_refused(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"cpu_adam_params_per_s": 1e9, "speed": 2}))
+    assert plan(write_config(tmp_path), "--calibration", str(bad)) == 2
+    assert (f"--calibration: {bad} is not a calibration file (missing keys ['cpu_adam_threads', 'cpu_share', "
+            f"'node_cores', 'node_memory_bytes', 'ranks_per_node'], unknown keys ['speed'])") in capsys.readouterr().err
