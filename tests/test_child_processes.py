@@ -3,6 +3,7 @@ with SIGKILL at a save, at the switch or mid-step, nothing that carries the laun
 seconds later: not Megatron's checkpoint writers, its persistent async-save worker, the Manager process that keeps
 its write results, nor anything else a rank started. After a normal end the same is checked for every launch the
 suite makes (``conftest.run_two_ranks``, ``run_main_job``, ``megatron/megatron_lm.launch``)."""
+import contextlib
 import json
 import os
 import signal
@@ -97,6 +98,21 @@ def test_without_the_hooks_the_children_outlive_it(tmp_path):
     assert alive >= set(pids)  # and the resource tracker they keep
 
 
+def command_line(process) -> str:
+    """A process's command line, empty for one that ended or is a zombie (a child that just exited)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def children(process) -> list:
+    try:
+        return process.children()
+    except psutil.NoSuchProcess:
+        return []
+
+
 class Launch:
     """A launcher command in the background, its output in a file, its processes marked."""
 
@@ -117,12 +133,12 @@ class Launch:
         wait_for(lambda: text in self.text() or self.top.poll() is not None, repr(text), timeout)
         assert self.top.poll() is None, f"the launch ended before {text!r}:\n{self.text()[-4000:]}"
         top = psutil.Process(self.top.pid)
-        launchers = [top] + [p for p in top.children(recursive=True)
-                             if "deepspeed.launcher.launch" in " ".join(p.cmdline())]
-        ranks = [child for launcher in launchers for child in launcher.children() if child not in launchers]
+        launchers = [top] + [p for p in top.children(recursive=True) if "deepspeed.launcher.launch" in command_line(p)]
+        ranks = [child for launcher in launchers for child in children(launcher) if child not in launchers]
         assert ranks, self.text()[-3000:]
         for process in launchers + ranks:
-            process.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
         self.top.wait(timeout=30)
 
     def assert_nothing_left(self) -> None:
