@@ -46,7 +46,11 @@ def meta_counts(arch, groups: Optional[int]) -> int:
 
 
 def plan_row(arch, stage: str, expert_parallel: int, world: int, dtype: str, zero: int, budget: int, reserved: int,
-             micro_batch: int, rates: Dict) -> Dict:
+             micro_batch: int, rates: Optional[Dict] = None) -> Dict:
+    if rates is None:  # the config defaults' rates and the plan command's device rate, all assumed
+        from ds_pseudo_real.offload.step_time import DEFAULT_DEVICE_FLOPS
+
+        rates = read_rates(argparse.Namespace(gpu_tflops=DEFAULT_DEVICE_FLOPS / 1e12, calibration=None))
     from ds_pseudo_real.moe.architecture import (
         dense_parameters_per_layer, embedding_parameters, expert_parameters_per_layer,
     )

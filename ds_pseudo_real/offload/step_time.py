@@ -12,21 +12,24 @@ Per optimizer step of GA micro-batches, on one rank:
   a group's host work: its fetches (host_params: params in for every forward and backward, half each), then after
       its backward its gradient out, its host Adam, then (host_optimizer) its master in; the bytes add up to the
       plan's ``moved_bytes_per_step`` and the elements to its ``host_stepped_numel``.
-  ``sequential`` (today's): the compute, then the copies, then the host Adam, one after the other:
-      GA x (F + B) + ``transfer_seconds`` + ``host_adam_seconds``; compute + ``offload_seconds_per_step``.
-  ``overlapped``: a micro-batch's forward takes f = max(F, its fetches in / PCIe), its backward b = max(B, its
-      fetches in / PCIe) (prefetched, hidden when the compute is longer). In the last micro-batch's backward, which
-      starts at s = GA x f + (GA - 1) x b, the backward passes layer i of L at r_i = s + (L - i) / L x b (``other``:
-      at s + b). Groups in backward order, three resources each taken in turn (PCIe out, the host's cores, PCIe in;
-      PCIe is full duplex):
+  a micro-batch's forward takes f = max(F, its fetches in / PCIe), its backward b = max(B, its fetches in / PCIe)
+      (prefetched, hidden when the compute is longer); the last micro-batch's backward starts at
+      s = GA x f + (GA - 1) x b and ends at e = s + b. The host work is a chain over the groups, three resources
+      each taken in turn (PCIe out, the host's cores, PCIe in; PCIe is full duplex), group g ready at r_g:
           out_g = max(out_prev, r_g) + gradient_g / PCIe
           cpu_g = max(cpu_prev, out_g) + host_numel_g / host Adam rate
           in_g  = max(in_prev, cpu_g) + master_g / PCIe
-      step = max(s + b, out_last, cpu_last, in_last): the backward, plus whatever host work is left when it ends
-      (the copies in do not wait for the backward's fetches, which share their direction: optimistic there).
-      Never more than ``sequential`` (each term is a sum of some of its terms), never less than the backward.
-  ``delayed`` (ZeRO-Offload's delayed parameter update): the whole host step of step t runs during the forward
-      and backward of step t + 1: step = max(GA x (f + b), H), H the chain above with every group ready at 0.
+  ``sequential`` (host_step "sequential"): every group ready at e, the offload's own groups (below) first:
+      step = e + the chain from 0.
+  ``overlapped`` (host_step "overlapped"): the groups the offload steps during the backward (host_params outside
+      DeepSpeed's optimizer with streamed gradients: ZeRO 1/2) first, in backward order, each ready when the
+      backward passes its layer, r_i = s + (L - i) / L x b; then the others (DeepSpeed's groups: host_optimizer,
+      host_params at ZeRO 0) ready at e. step = max(e, the chain's end). Never more than ``sequential``, never less
+      than the backward. The copies in do not wait for the backward's fetches, which share their direction.
+  ``delayed`` (ZeRO-Offload's delayed parameter update, modelled only: granular offload does not run it): the whole
+      host step of step t during the forward and backward of step t + 1: step = max(GA x (f + b), the chain from 0).
+  ``OffloadPlan.offload_seconds_per_step`` stays what it was: every transfer and the host Adam added, an upper
+  bound to compare plans with.
 """
 from __future__ import annotations
 
@@ -76,6 +79,7 @@ class GroupWork(NamedTuple):
     gradient_bytes: int  # out, after its backward
     master_bytes: int  # in, after its host Adam
     host_numel: int
+    during_backward: bool  # stepped during the backward by host_step "overlapped"
 
 
 class StepTimes(NamedTuple):
@@ -104,8 +108,9 @@ def group_work(plan: OffloadPlan) -> List[GroupWork]:
             fetch = 2 * setup.gradient_accumulation_steps * p.group.uses * p.group.numel * setup.working_bytes
         master = p.bytes.moved_per_step // 2 if p.level is PlacementLevel.HOST_OPTIMIZER else 0
         numel = host_numel_stepped(p.group.numel, p.level, setup, p.group.dp_size)
+        during = p.level is PlacementLevel.HOST_PARAMS and setup.streams_gradients
         work.append(GroupWork(p.group.name, p.group.index if p.group.is_layer else None, fetch,
-                              p.bytes.moved_per_step - fetch - master, master, numel))
+                              p.bytes.moved_per_step - fetch - master, master, numel, during))
     return sorted(work, key=lambda w: -1 if w.position is None else w.position, reverse=True)
 
 
@@ -129,11 +134,15 @@ def step_times(plan: OffloadPlan, compute: Compute = NO_COMPUTE) -> StepTimes:
     fetch_each_way = sum(w.fetch_bytes for w in work) / (2 * ga) / pcie  # one micro-batch's forward (or backward)
     f = max(compute.forward_seconds, fetch_each_way)
     b = max(compute.backward_seconds, fetch_each_way)
-    sequential = ga * (compute.forward_seconds + compute.backward_seconds) + plan.offload_seconds_per_step
     start = ga * f + (ga - 1) * b
+    end = start + b
+    # the offload steps its own groups first, then DeepSpeed's (``GranularOffloadOptimizer.step``)
+    ordered = [w for w in work if w.during_backward] + [w for w in work if not w.during_backward]
+    sequential = end + host_chain_end(ordered, [0.0] * len(work), pcie, adam)
     layers = max((p.group.index + p.group.uses for p in plan.placements if p.group.is_layer), default=1)
-    ready = [start + b * (1 if w.position is None else (layers - w.position) / layers) for w in work]
-    overlapped = max(start + b, host_chain_end(work, ready, pcie, adam))
+    ready = [start + b * (layers - w.position) / layers if w.during_backward and w.position is not None else end
+             for w in ordered]
+    overlapped = max(end, host_chain_end(ordered, ready, pcie, adam))
     delayed = max(ga * (f + b), host_chain_end(work, [0.0] * len(work), pcie, adam))
     return StepTimes(ga * f, ga * b, sequential, overlapped, delayed)
 
@@ -151,10 +160,10 @@ def describe_step_times(times: StepTimes, plan: OffloadPlan, compute: Compute, s
     return "\n".join([
         f"rates: host Adam {s.cpu_adam_params_per_s:.3g} params/s ({sources['host_adam']}), PCIe "
         f"{s.pcie_bytes_per_s / 1e9:.3g} GB/s ({sources['pcie']}), {device}",
-        f"modelled step: forward {times.forward:.3g} s, backward {times.backward:.3g} s; sequential (compute, then "
-        f"copies and host Adam) {times.sequential:.3g} s, overlapped (each host group stepped during the backward) "
-        f"{times.overlapped:.3g} s = {times.overlapped_ratio:.2f} x sequential, delayed (the host step during the "
-        f"next step's forward and backward) {times.delayed:.3g} s",
+        f"modelled step: forward {times.forward:.3g} s, backward {times.backward:.3g} s; host_step sequential (the "
+        f"host step after the backward) {times.sequential:.3g} s, overlapped (host_params layers stepped during the "
+        f"backward) {times.overlapped:.3g} s = {times.overlapped_ratio:.2f} x sequential; a delayed update (the host "
+        f"step during the next step's forward and backward; not run by granular offload) {times.delayed:.3g} s",
     ])
 
 

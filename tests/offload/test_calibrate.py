@@ -17,9 +17,11 @@ HOST_OPTIMIZER, HOST_PARAMS = PlacementLevel.HOST_OPTIMIZER, PlacementLevel.HOST
 M6_HOST_BYTES = 330448650240
 
 
-def small_plan(levels, ga=1):
-    """4 fp32 layers of 1000 params at ZeRO 0; PCIe 4000 B/s and 1000 host Adam params/s make the seconds round."""
-    setup = TrainingSetup("fp32", 0, pcie_bytes_per_s=4000, cpu_adam_params_per_s=1000, gradient_accumulation_steps=ga)
+def small_plan(levels, ga=1, stage=2):
+    """4 fp32 layers of 1000 params at ZeRO ``stage`` on one rank; PCIe 4000 B/s and 1000 host Adam params/s make
+    the seconds round."""
+    setup = TrainingSetup("fp32", stage, pcie_bytes_per_s=4000, cpu_adam_params_per_s=1000,
+                          gradient_accumulation_steps=ga)
     return place(uniform_groups(4, 1000), levels, setup)
 
 
@@ -29,29 +31,42 @@ COMPUTE = Compute(1000, 500, 1e6)
 
 def test_each_mode_on_a_plan_computed_by_hand():
     plan = small_plan({"layer2": HOST_OPTIMIZER, "layer3": HOST_PARAMS})
-    # layer3 (host_params, fp32 ZeRO 0): its params in for the forward and the backward (4000 B each), its gradient
-    # out (4000 B), 1000 params stepped; layer2 (host_optimizer): gradient out, master in (4000 B each), 1000 params
-    assert [tuple(w) for w in group_work(plan)] == [("layer3", 3, 8000, 4000, 0, 1000),
-                                                    ("layer2", 2, 0, 4000, 4000, 1000)]
+    # layer3 (host_params, ZeRO 2: stepped by the offload during the backward): its params in for the forward and
+    # the backward (4000 B each), its gradient out (4000 B), 1000 params stepped; layer2 (host_optimizer, in
+    # DeepSpeed's optimizer: after the backward): gradient out, master in (4000 B each), 1000 params
+    assert [tuple(w) for w in group_work(plan)] == [("layer3", 3, 8000, 4000, 0, 1000, True),
+                                                    ("layer2", 2, 0, 4000, 4000, 1000, False)]
     assert (plan.transfer_seconds, plan.host_adam_seconds) == (5.0, 2.0)
     times = step_times(plan, COMPUTE)
-    # forward max(1, 4000 B / 4000 B/s) = 1 s; backward max(2, 1) = 2 s; sequential 1 + 2 + 5 + 2
-    assert (times.forward, times.backward, times.sequential) == (1.0, 2.0, 10.0)
-    # the backward passes layer3 at 1 + 2 / 4 = 1.5 s, layer2 at 2 s. layer3: out 1.5 + 1 = 2.5, Adam 2.5 + 1 = 3.5;
-    # layer2: out max(2.5, 2) + 1 = 3.5, Adam 3.5 + 1 = 4.5, master in 4.5 + 1 = 5.5
-    assert times.overlapped == 5.5 and times.overlapped_ratio == 0.55
+    # forward max(1, 4000 B / 4000 B/s) = 1 s; backward max(2, 1) = 2 s, ending at 3 s. sequential: from 3 s,
+    # layer3 out 1, Adam 2; layer2 out 2, Adam 3, master in 4: 7 s
+    assert (times.forward, times.backward, times.sequential) == (1.0, 2.0, 7.0)
+    # overlapped: the backward passes layer3 at 1 + 2 / 4 = 1.5 s: out 2.5, Adam 3.5; layer2 at the backward's end
+    # (3 s): out 4, Adam 5, master in 6
+    assert times.overlapped == 6.0 and times.overlapped_ratio == 6.0 / 7.0
     # delayed: the chain from 0 (layer3 out 1, Adam 2; layer2 out 2, Adam 3, in 4) during the 3 s of compute
     assert times.delayed == 4.0
 
 
+def test_at_zero_0_nothing_is_stepped_during_the_backward():
+    # fp32 ZeRO 0 keeps host_params layers in DeepSpeed's optimizer, which gets their gradients after the backward
+    plan = small_plan({"layer2": HOST_OPTIMIZER, "layer3": HOST_PARAMS}, stage=0)
+    assert [w.during_backward for w in group_work(plan)] == [False, False]
+    times = step_times(plan, COMPUTE)
+    assert times.overlapped == times.sequential == 7.0
+
+
 def test_gradient_accumulation_delays_the_host_work_to_the_last_backward():
     plan = small_plan({"layer3": HOST_PARAMS}, ga=2)
-    # fetched in every micro-batch's forward and backward: 16000 B; gradient out once (ZeRO 0), 1000 params
-    assert [tuple(w) for w in group_work(plan)] == [("layer3", 3, 16000, 4000, 0, 1000)]
+    # fetched in every micro-batch's forward and backward: 16000 B; its gradient streamed out in each micro-batch
+    # (8000 B), 1000 params stepped once
+    assert [tuple(w) for w in group_work(plan)] == [("layer3", 3, 16000, 8000, 0, 1000, True)]
     times = step_times(plan, COMPUTE)
-    assert (times.forward, times.backward, times.sequential) == (2.0, 4.0, 6.0 + 20000 / 4000 + 1)
-    # the last backward starts at 2 x 1 + 2 = 4 s and passes layer3 at 4.5 s: out 5.5, Adam 6.5
-    assert times.overlapped == 6.5 and times.delayed == 6.0
+    # the last backward starts at 2 x 1 + 2 = 4 s and ends at 6 s; sequential: out 2, Adam 3 after it
+    assert (times.forward, times.backward, times.sequential) == (2.0, 4.0, 9.0)
+    # overlapped: the backward passes layer3 at 4.5 s: out 6.5, Adam 7.5 (the first micro-batch's gradient is
+    # counted with the last: an upper bound)
+    assert times.overlapped == 7.5 and times.delayed == 6.0
 
 
 def test_overlapped_between_the_backward_and_sequential_for_every_placement():
@@ -69,11 +84,11 @@ def test_nothing_on_the_host_is_the_compute_in_every_mode():
 
 
 def test_delayed_hides_a_host_step_shorter_than_the_forward_and_backward():
-    plan = small_plan({"layer2": HOST_OPTIMIZER})  # 1 s out, 1 s Adam, 1 s in
+    plan = small_plan({"layer2": HOST_PARAMS})  # fetched in 1 s each way, 1 s out, 1 s Adam
     long = Compute(1000, 5000, 1e6)  # 10 s forward, 20 s backward
     times = step_times(plan, long)
-    assert times.delayed == 30.0 and times.sequential == 33.0
-    # in the backward of layer2 (ready at 10 + 10 s), its 3 s of host work outlast the last 10 s of the backward
+    assert times.delayed == 30.0 and times.sequential == 32.0
+    # the backward passes layer2 at 10 + 20 x 2 / 4 = 20 s; its 2 s of host work end before the backward does
     assert times.overlapped == 30.0
 
 
@@ -132,7 +147,7 @@ def write_config(tmp_path):
     small_plan, and 500 tokens a micro-batch: with 4000 params a token meets at --gpu-tflops 4e-6, the compute of
     COMPUTE."""
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 0}, "granular_offload": {
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "granular_offload": {
         "levels": {"2": "host_optimizer", "3": "host_params"}, "pcie_gb_per_s": 4e-6, "cpu_adam_params_per_s": 1000,
         "activations": {"micro_batch": 1, "seq_len": 500, "hidden": 8, "heads": 1},
         "model": {"num_layers": 4, "layer_params": 1000}}}))
@@ -150,9 +165,9 @@ def test_plan_command_prints_each_mode_and_the_node(tmp_path, capsys):
     assert ("rates: host Adam 1e+03 params/s (assumed: granular_offload.cpu_adam_params_per_s), PCIe 4e-06 GB/s "
             "(assumed: granular_offload.pcie_gb_per_s), device 4e-06 TFLOPS (assumed: --gpu-tflops; 4,000 parameters "
             "a token meets x 500 tokens a micro-batch)\n") in out
-    assert ("modelled step: forward 1 s, backward 2 s; sequential (compute, then copies and host Adam) 10 s, "
-            "overlapped (each host group stepped during the backward) 5.5 s = 0.55 x sequential, delayed (the host "
-            "step during the next step's forward and backward) 4 s\n") in out
+    assert ("modelled step: forward 1 s, backward 2 s; host_step sequential (the host step after the backward) 7 s, "
+            "overlapped (host_params layers stepped during the backward) 6 s = 0.86 x sequential; a delayed update "
+            "(the host step during the next step's forward and backward; not run by granular offload) 4 s\n") in out
     # host: layer2's master, gradient buffer and moments, layer3's params, gradient buffer and moments: 4 x 4000 B
     # each, unpinned on the CPU
     assert ("node: 2 ranks x (31.25 KiB plan + 4.00 GiB process) + 16.00 GiB reserve = 24.00 GiB of host memory, "
