@@ -14,6 +14,7 @@ setup(
     version="0.1.0",
     description="Pseudo-to-Real (sharing -> delinking) pretraining and granular CPU offload for DeepSpeed/Megatron",
     packages=find_packages(include=["ds_pseudo_real*", "megatron_patches*", "launch*"]),
+    package_data={"ds_pseudo_real.offload": ["csrc/*.cpp"]},  # the host step's op, built on first use
     python_requires=">=3.10",
     install_requires=["torch", "deepspeed>=0.19", "pydantic>=2", "numpy", "matplotlib", "ninja"],
     extras_require={

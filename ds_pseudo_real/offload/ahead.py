@@ -22,8 +22,9 @@ What is assumed ahead, and checked at the step:
     set shared in several graph tasks). The first step is learnt, not stepped ahead. A flush of a group after its
     host step raises: the backward would have read parameters already stepped.
 
-The kernel holds the GIL for a call; the worker cuts every parameter in ranges of :data:`SLICE_NUMEL`, so the
-training thread waits at most one range's kernel time (a few milliseconds) for a Python hook.
+The worker calls the kernel through this package's op (``offload.kernel``), which releases the GIL while it steps,
+so the training thread runs its Python (hooks, the next layer's launches) meanwhile. It still steps every parameter
+in ranges of :data:`SLICE_NUMEL`, taking the GIL back between them.
 """
 from __future__ import annotations
 

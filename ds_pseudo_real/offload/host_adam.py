@@ -12,11 +12,11 @@ import contextlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from deepspeed.ops.adam import DeepSpeedCPUAdam
 
 from ds_pseudo_real import ds_state
 from ds_pseudo_real.device import rank_device
 from ds_pseudo_real import pinned
+from ds_pseudo_real.offload import kernel
 from ds_pseudo_real.offload.planner import PlacementLevel
 
 HOST = torch.device("cpu")
@@ -82,7 +82,7 @@ class HostAdam:
 
     def __init__(self, lr: float, betas, eps: float, weight_decay: float, adamw_mode: bool, bias_correction: bool,
                  pin_memory: bool, host_params=None, batch_numel: int = BATCH_NUMEL, groups: Sequence[Dict] = (),
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, without_gil: bool = False):
         self.device = device or rank_device()  # where the params and gradients it copies live
         self.cuda = self.device.type == "cuda"
         # the optimizer's group dicts: ZeRO 1/2 rewrite their params in place, so buffers are laid out at first use
@@ -93,10 +93,11 @@ class HostAdam:
         self.host_params = host_params
         self.batch_numel = batch_numel
         # The CPU Adam object only owns a kernel instance (opt_id, adamw mode); its own param list stays a dummy.
-        self._cpu_adam = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], lr=lr, betas=betas, eps=eps,
-                                          weight_decay=weight_decay, adamw_mode=adamw_mode,
-                                          bias_correction=bias_correction)
-        ds_state.check_cpu_adam(self._cpu_adam, "granular_offload")
+        # ``without_gil``: the same kernel through this package's binding, which a worker thread calls while the
+        # training thread runs Python (``offload.kernel``)
+        self._cpu_adam = kernel.cpu_adam(lr, betas, eps, weight_decay, adamw_mode, bias_correction, without_gil)
+        if not without_gil:
+            ds_state.check_cpu_adam(self._cpu_adam, "granular_offload")
         self.to_host_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.to_device_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.masters: Dict[torch.Tensor, torch.Tensor] = {}

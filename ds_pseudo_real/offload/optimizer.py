@@ -99,16 +99,18 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         self.own_state: Dict[torch.Tensor, Dict[str, Any]] = {}
         self.adamw_mode = adamw_mode
         self.host_params = host_params
+        if host_step not in HOST_STEPS:
+            raise ValueError(f"host_step: got {host_step!r}; accepted: {list(HOST_STEPS)}")
+        overlapped = host_step == OVERLAPPED and bool(self.own_param_groups) and stream_gradients
         self.host = HostAdam(lr, betas, eps, weight_decay, adamw_mode, bias_correction, pin_memory, host_params,
-                             batch_numel, groups=self.param_groups + self.own_param_groups, device=device)
+                             batch_numel, groups=self.param_groups + self.own_param_groups, device=device,
+                             without_gil=overlapped)
         self.own_gradients = OwnGradients(self.own_param_groups, self.host, stream_gradients)
         self.own_gradients.reduce_group = reduce_group
         self.own_gradients.moved = self._count_moved
-        if host_step not in HOST_STEPS:
-            raise ValueError(f"host_step: got {host_step!r}; accepted: {list(HOST_STEPS)}")
         # the own groups stepped during the backward (``ahead``); it needs gradients streamed as autograd ends them
         self.ahead = (HostStepAhead(self.host, host_params, self.state_of, lambda: self.param_groups[0])
-                      if host_step == OVERLAPPED and self.own_param_groups and stream_gradients else None)
+                      if overlapped else None)
         self.own_gradients.ahead = self.ahead
         self._own_stepped = False  # this optimizer step's own-group step is done (ZeRO 1/2 call step() per group)
         self.clip_grad = clip_grad

@@ -832,18 +832,22 @@ class _HostKernel:
 
 def _patch_cpu_adam(rank: "FakeGpuRank") -> None:
     """DeepSpeed's CPU Adam (0.19.8: ``DeepSpeedCPUAdam.ds_opt_adam``, the op module its kernels are called through)
-    checked as a host kernel."""
+    and the host step's GIL-free binding of the same kernel (``offload.kernel.GilFreeCPUAdam``) checked as host
+    kernels."""
+    from ds_pseudo_real.offload.kernel import GilFreeCPUAdam
     try:
         from deepspeed.ops.adam.cpu_adam import DeepSpeedCPUAdam
     except ImportError:
         return
-    init = DeepSpeedCPUAdam.__init__
+    for cls, name in ((DeepSpeedCPUAdam, "cpu_adam"), (GilFreeCPUAdam, "gil_free_cpu_adam")):
+        rank._patch(cls, "__init__", _checked_kernel_init(cls.__init__, rank, name))
 
+
+def _checked_kernel_init(init, rank: "FakeGpuRank", name: str):
     def checked_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.ds_opt_adam = _HostKernel(self.ds_opt_adam, rank, "cpu_adam")
-
-    rank._patch(DeepSpeedCPUAdam, "__init__", checked_init)
+        self.ds_opt_adam = _HostKernel(self.ds_opt_adam, rank, name)
+    return checked_init
 
 
 def fake_cuda_accelerator(rank: "FakeGpuRank"):

@@ -181,12 +181,15 @@ def test_a_host_scalar_is_no_collective_buffer(fake_nccl):
         dist.all_reduce(torch.tensor(1.0))
 
 
-def test_deepspeed_cpu_adam_reads_its_gradient_after_the_copy_is_waited_for(rank):
-    """DeepSpeed's CPU Adam kernel reads and writes host tensors in C++: its arguments are checked as host reads."""
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
+@pytest.mark.parametrize("without_gil", [False, True], ids=["deepspeed_binding", "gil_free_binding"])
+def test_deepspeed_cpu_adam_reads_its_gradient_after_the_copy_is_waited_for(rank, without_gil):
+    """DeepSpeed's CPU Adam kernel reads and writes host tensors in C++: its arguments are checked as host reads,
+    through DeepSpeed's binding and through the host step's GIL-free one."""
+    from ds_pseudo_real.offload import kernel
 
     param, grad = torch.zeros(4), torch.ones(4, device=CUDA3)
-    adam = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    adam = kernel.cpu_adam(0.1, (0.9, 0.999), 1e-8, 0.0, True, True, without_gil)
+    name = "gil_free_cpu_adam" if without_gil else "cpu_adam"
     host_grad, exp_avg, exp_avg_sq = torch.empty(4, pin_memory=True), torch.zeros(4), torch.zeros(4)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -195,7 +198,7 @@ def test_deepspeed_cpu_adam_reads_its_gradient_after_the_copy_is_waited_for(rank
         copied = torch.cuda.Event()
         copied.record(side)
     update = (adam.opt_id, 1, 0.1, 0.9, 0.999, 1e-8, 0.0, True, param, host_grad, exp_avg, exp_avg_sq)
-    with pytest.raises(RuntimeError, match=f"{RACE}: cpu_adam.adam_update on the host"):
+    with pytest.raises(RuntimeError, match=f"{RACE}: {name}.adam_update on the host"):
         adam.ds_opt_adam.adam_update(*update)
     copied.synchronize()
     adam.ds_opt_adam.adam_update(*update)

@@ -97,7 +97,10 @@ def main():
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     checkpoint_dir = os.environ.get("OFFLOAD_TEST_DIR") or tempfile.mkdtemp()
     for case in sys.argv[1:]:
-        print("RESULT " + json.dumps(run_case(case, rank, world_size, checkpoint_dir)), flush=True)
+        result = json.dumps(run_case(case, rank, world_size, checkpoint_dir))
+        with open(os.path.join(checkpoint_dir, f"results.rank{rank}.jsonl"), "a") as out:  # the ranks share a stdout
+            out.write(result + "\n")
+        print("RESULT " + result, flush=True)
 
 
 if __name__ == "__main__":

@@ -40,11 +40,12 @@ def one_rank(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    proc = run_two_ranks(SCRIPT, *TWO_RANKS, env_extra={"OFFLOAD_TEST_DIR": str(tmp_path_factory.mktemp("ckpt2"))})
+    folder = tmp_path_factory.mktemp("ckpt2")
+    run_two_ranks(SCRIPT, *TWO_RANKS, env_extra={"OFFLOAD_TEST_DIR": str(folder)})
     by_rank = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
+    for rank in range(2):  # read from each rank's file: the two ranks' lines interleave on the launcher's stdout
+        for line in (folder / f"results.rank{rank}.jsonl").read_text().splitlines():
+            result = json.loads(line)
             by_rank.setdefault(result["case"], []).append(result)
     return by_rank
 
