@@ -13,7 +13,9 @@ ranges at multiples of :data:`SLICE_NUMEL` runs the same vector code on every el
 What is assumed ahead, and checked at the step:
   - the gradient factor is ``1 / loss scale`` (no clipping): the global norm is known only when the backward ends.
     When it clips, or the learning rate or betas differ from what was used, the groups are restored from their
-    backups and stepped again at the step (``redone``). When DeepSpeed skips the step (an inf or NaN gradient, an
+    backups and stepped again at the step (``redone``), and the next step is left sequential (``held``): it is
+    stepped ahead again after a step whose factor was the assumed one (a norm that clips every step costs one redo,
+    not one per step). When DeepSpeed skips the step (an inf or NaN gradient, an
     fp16 overflow) they are restored when it drops the gradients. Backups (fp32 master, moments and, in 16 bits, the
     host params: 12 to 14 bytes a parameter on the host) are kept only when the step may be refused: gradient
     clipping on, or fp16; otherwise the assumed factor is the factor, and nothing is copied.
@@ -71,11 +73,14 @@ class HostStepAhead:
         self._flushes: Dict[int, int] = {}  # group id -> flushes in this optimizer step's last backward
         self._expected: Dict[int, int] = {}  # ... in the previous optimizer step's
         self._ahead: Dict[int, Tuple[float, Tuple]] = {}  # group id -> (factor, scheduled values) it was stepped with
+        self._assumed: Optional[Tuple[float, Tuple]] = None  # (factor, values) a step ahead would use in this step
+        self._hold = False  # the last step refused what was assumed: this one is sequential
         self._backups: Dict[torch.Tensor, _Backup] = {}
         self._copies: Dict[Tuple[int, str], torch.Tensor] = {}  # (group id, kind) -> flat backup buffer
         self.stepped_ahead = 0  # groups stepped ahead since construction
         self.redone = 0  # ... of them restored and stepped again at the step
         self.undone = 0  # ... restored for a skipped step
+        self.held = 0  # optimizer steps left sequential because the step before refused the assumed factor
 
     # ----- during the backward -------------------------------------------------------------------------------
     def take(self, group: Dict[str, Any], flush) -> bool:
@@ -95,6 +100,9 @@ class HostStepAhead:
         factor = 1.0 / float(self.loss_scale())
         scheduled = self.scheduled()
         values = tuple(scheduled[k] for k in _SCHEDULED_KEYS if k in scheduled)
+        self._assumed = (factor, values)
+        if self._hold:
+            return False
         group.update({k: scheduled[k] for k in _SCHEDULED_KEYS if k in scheduled})
         self._ahead[key] = (factor, values)
         self._futures.append(self._worker.submit(self._step, group, flush, factor))
@@ -154,6 +162,9 @@ class HostStepAhead:
         and the same ``lr``/``betas``, now final; the others stepped ahead are restored, to be stepped again."""
         self.wait()
         values = tuple(scheduled[k] for k in _SCHEDULED_KEYS if k in scheduled)
+        self.held += self._hold and self._assumed is not None
+        if self._assumed is not None:  # the next step is stepped ahead only if this one took what it would assume
+            self._hold = self._assumed != (factor, values)
         done = set()
         for group in groups:
             ahead = self._ahead.get(id(group))
@@ -191,6 +202,7 @@ class HostStepAhead:
         if self._flushes:
             self._expected = dict(self._flushes)
         self._flushes.clear()
+        self._assumed = None
         self._ahead.clear()
         self._backups.clear()
 

@@ -24,7 +24,7 @@ from ds_pseudo_real.offload import ahead, attach_to_engine, build_offload_optimi
 
 STEPS = 5
 SAVE_AFTER = 2  # the resumed run loads the checkpoint saved after this many steps
-OVERFLOW_AT = 3
+OVERFLOW_AT = 4  # after the step held sequential by the scale's growth at step 2: a step ahead is undone
 
 
 def parse(case):
@@ -71,7 +71,7 @@ def run_case(case, rank, world_size, checkpoint_dir):
             path = os.path.join(checkpoint_dir, case.replace(":", "_").replace("/", "_"))
             engine.save_checkpoint(path, tag="t")
         losses += train(engine, rank, SAVE_AFTER, STEPS - SAVE_AFTER, fp16)
-        stats = ({k: getattr(optimizer.ahead, k) for k in ("stepped_ahead", "redone", "undone")}
+        stats = ({k: getattr(optimizer.ahead, k) for k in ("stepped_ahead", "redone", "undone", "held")}
                  if optimizer.ahead is not None else None)
         runs[host_step] = {"losses": losses, "params": flat_params(engine), "ahead": stats,
                            "own_groups": [g["placement"] for g in optimizer.own_param_groups]}

@@ -1,8 +1,8 @@
 """The host step during the backward (``granular_offload.host_step: "overlapped"``) equals the host step after it
 (``"sequential"``) bit for bit: losses and weights, clipped or not, ZeRO 0-2, fp32, bf16 and fp16, gradient
 accumulation, 1 and 2 ranks, and after a resume from a checkpoint; and it did step ahead where it can (own groups:
-host_params under ZeRO 1/2), redoing only the steps the norm clipped or the loss scale changed, undoing the skipped
-ones."""
+host_params under ZeRO 1/2), redoing only the steps the norm clipped or the loss scale changed (and holding the step
+after such a step sequential), undoing the skipped ones."""
 import json
 import os
 import subprocess
@@ -72,17 +72,18 @@ def test_overlapped_equals_sequential_on_one_rank(one_rank, case):
         # DeepSpeed's; both are stepped after the backward whatever host_step says
         assert result["own_groups"] == [] and result["ahead"] is None
         return
-    ahead = result["ahead"]
-    assert ahead["stepped_ahead"] == own_group_steps(result)
+    ahead, groups = result["ahead"], len(result["own_groups"])
     if case.endswith("@clip1") or "@clip1/" in case:
-        assert ahead["redone"] == ahead["stepped_ahead"], "every step clips: every group stepped ahead is redone"
+        # every step clips: the first step ahead is redone, and every later step is held sequential
+        assert (ahead["stepped_ahead"], ahead["redone"], ahead["held"]) == (groups, groups, STEPS - LEARNT - 1)
     elif "fp16" in case:
-        # one skipped step (an inf), and the scale doubled once (window 2) after the first two good steps: the
-        # factor assumed during that backward was the old scale's
-        assert ahead["undone"] == len(result["own_groups"])
-        assert ahead["redone"] == len(result["own_groups"])
+        # the scale doubled (window 2) after the first two good steps, so step 2's assumed factor was the old
+        # scale's: redone, and step 3 held sequential; step 4 stepped ahead again, skipped (an inf): undone
+        assert (ahead["redone"], ahead["held"], ahead["undone"]) == (groups, 1, groups)
+        assert ahead["stepped_ahead"] == own_group_steps(result) - groups
     else:
-        assert ahead["redone"] == ahead["undone"] == 0
+        assert ahead["stepped_ahead"] == own_group_steps(result)
+        assert ahead["redone"] == ahead["undone"] == ahead["held"] == 0
 
 
 @pytest.mark.parametrize("case", TWO_RANKS)
@@ -91,5 +92,8 @@ def test_overlapped_equals_sequential_on_two_ranks(two_ranks, case):
     assert len(results_) == 2
     for result in results_:
         check_equal(result)
-        assert result["ahead"]["stepped_ahead"] == own_group_steps(result)
-        assert result["ahead"]["redone"] == (result["ahead"]["stepped_ahead"] if "@clip1" in case else 0)
+        ahead, groups = result["ahead"], len(result["own_groups"])
+        if "@clip1" in case:  # the first step ahead redone, the later ones held sequential
+            assert (ahead["stepped_ahead"], ahead["redone"], ahead["held"]) == (groups, groups, STEPS - LEARNT - 1)
+        else:
+            assert (ahead["stepped_ahead"], ahead["redone"]) == (own_group_steps(result), 0)
