@@ -1,5 +1,6 @@
 """The benchmarks' arithmetic and code paths: clocks, steps-to-target, paired differences, the analysis of synthetic
-runs, the M6 MoE layer against a direct computation, progressive stacking on a DeepSpeed engine, the M6-10T count.
+runs, the M6 MoE layer against a direct computation, progressive stacking on a DeepSpeed engine, the M6-10T count,
+the host step benchmark's arms.
 No timing is asserted: speed figures are ratios the benchmarks measure side by side."""
 import gzip
 import json
@@ -486,3 +487,30 @@ def test_the_layouts_benchmark_reads_each_pass_of_its_run():
     assert [m["tokens_per_s"] for m in measured] == pytest.approx([1000 / 0.110, 1000 / 0.240])
     with pytest.raises(RuntimeError, match="pass 0: no iteration after the 4 warm-up ones"):
         layouts.tokens_per_second(log, passes=2, warmup=4, tokens_per_iteration=1000)
+
+
+@pytest.mark.parametrize("clip", [0.0, 1e-6], ids=["no_clipping", "clipping_every_step"])
+def test_the_host_step_benchmark_compares_arms_on_the_same_losses(tmp_path, clip):
+    """A tiny run of benchmarks/host_step.py: both granular arms give the same losses; without clipping every own
+    group after the first step is stepped during the backward, with a norm that clips every step the first step
+    ahead is redone and the later ones are held sequential."""
+    import os
+    import subprocess
+
+    out = tmp_path / "host_step.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_step.py"), "--hidden", "64", "--layers",
+                           "2", "--vocab", "64", "--rounds", "2", "--block", "2", "--clip", str(clip), "--arms",
+                           "sequential", "overlapped", "--out", str(out)], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows["overlapped"]["losses"] == rows["sequential"]["losses"]
+    assert rows["overlapped"]["losses_equal_to_sequential"]
+    overlapped = rows["overlapped"]
+    if clip:
+        assert overlapped["redone"] == overlapped["stepped_ahead"] > 0 and overlapped["held"] > 0
+    else:
+        assert overlapped["stepped_ahead"] > 0 and overlapped["redone"] == overlapped["held"] == 0

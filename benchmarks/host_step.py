@@ -1,0 +1,202 @@
+"""The host step off the critical path, measured on the CPU: step time of granular offload's host step after the
+backward (``sequential``) and during it (``overlapped``), beside DeepSpeed's own ZeRO-2 CPU offload and SuperOffload,
+on one model and the same batches, with the losses compared.
+
+On a CPU the "device" work (forward, backward, the copies of host_params layers) and the host step share the
+machine, so the comparison is honest only when each gets a core of its own: the training thread runs torch with one
+thread, the host step's worker DeepSpeed's CPU Adam with one OpenMP thread (``OMP_NUM_THREADS=1``), on a 2-core
+machine. Every layer is at host_params under ZeRO 2 (own groups: the ones the overlapped step can take), fp32,
+gradient clipping off (``--clip`` on: the groups stepped ahead keep backups, and a norm that clips makes them redo).
+The balanced case is the one where the sequential arm's forward+backward and its step take about as long
+(``--tokens`` sets the batch; the table prints both parts). The arms are timed interleaved, a block of steps each,
+round after round, so the machine's noise falls on all of them; the ratio is the median block time over the
+sequential arm's.
+
+    OMP_NUM_THREADS=1 python benchmarks/host_step.py      # ~3 min on 2 cores; writes results/host_step.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.common import (  # noqa: E402
+    RESULTS, init_single_process, machine_description, markdown_table, median, write_json,
+)
+
+ARMS = ("sequential", "overlapped", "deepspeed_zero2_offload", "superoffload")
+
+
+def make_model(d: int, layers: int, vocab: int):
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.up = nn.Linear(d, 4 * d)
+            self.down = nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(self.norm(x))))
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.layers = nn.ModuleList([Block() for _ in range(layers)])
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, x, y):
+            h = self.embed(x)
+            for layer in self.layers:
+                h = layer(h)
+            logits = self.head(h)
+            return nn.functional.cross_entropy(logits.view(-1, vocab), y.view(-1))
+
+    torch.manual_seed(0)
+    return Stack()
+
+
+def base_config(args) -> Dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+            "gradient_clipping": args.clip, "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}}
+
+
+def build(arm: str, args):
+    """The engine of ``arm``, or the reason it cannot run here."""
+    import deepspeed
+
+    from ds_pseudo_real.offload import attach_to_engine, build_offload_optimizer
+
+    model = make_model(args.hidden, args.layers, args.vocab)
+    config = base_config(args)
+    if arm in ("sequential", "overlapped"):
+        config["granular_offload"] = {"levels": {**{str(i): "host_params" for i in range(args.layers)},
+                                                 "other": "device"}, "host_step": arm}
+        optimizer, patched, _ = build_offload_optimizer(model, config, "layers", 1)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
+        attach_to_engine(engine)
+        return engine, optimizer
+    config = copy.deepcopy(config)
+    config["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    if arm == "superoffload":
+        config["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine, None
+
+
+def batch(step: int, tokens: int, vocab: int):
+    import torch
+
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, vocab, (1, tokens), generator=g)
+    return x, x.roll(-1, 1)
+
+
+def run_block(engine, first: int, count: int, args, parts: Dict[str, List[float]]) -> List[float]:
+    losses = []
+    for step in range(first, first + count):
+        x, y = batch(step, args.tokens, args.vocab)
+        start = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        middle = time.perf_counter()
+        engine.step()
+        end = time.perf_counter()
+        parts["forward_backward"].append(middle - start)
+        parts["step"].append(end - middle)
+        losses.append(loss.item())
+    return losses
+
+
+def measure(args) -> Dict:
+    engines, refused = {}, {}
+    for arm in args.arms:
+        try:
+            engines[arm] = build(arm, args)
+        except Exception as error:  # DeepSpeed refuses an arm on this machine: recorded, not fatal
+            refused[arm] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            print(f"  {arm}: cannot run here ({refused[arm]})", flush=True)
+    blocks = {arm: [] for arm in engines}
+    parts = {arm: {"forward_backward": [], "step": []} for arm in engines}
+    losses = {arm: [] for arm in engines}
+    step = 0
+    for round_ in range(args.warmup + args.rounds):
+        for arm, (engine, _) in engines.items():
+            start = time.perf_counter()
+            losses[arm] += run_block(engine, step, args.block, args, parts[arm])
+            if round_ >= args.warmup:
+                blocks[arm].append((time.perf_counter() - start) / args.block)
+        step += args.block
+        print(f"  round {round_ + 1}/{args.warmup + args.rounds}: " + ", ".join(
+            f"{arm} {blocks[arm][-1] * 1e3:.1f} ms/step" for arm in blocks if blocks[arm]), flush=True)
+    skip = args.warmup * args.block
+    rows = {}
+    for arm, (engine, optimizer) in engines.items():
+        ahead = getattr(optimizer, "ahead", None)
+        rows[arm] = {
+            "step_seconds": median(blocks[arm]),
+            "forward_backward_seconds": median(parts[arm]["forward_backward"][skip:]),
+            "optimizer_step_seconds": median(parts[arm]["step"][skip:]),
+            "losses": losses[arm],
+            "stepped_ahead": ahead.stepped_ahead if ahead else None,
+            "redone": ahead.redone if ahead else None,
+            "held": ahead.held if ahead else None,
+        }
+    base = rows["sequential"]["step_seconds"]
+    for arm, row in rows.items():
+        row["ratio_to_sequential"] = row["step_seconds"] / base
+        row["losses_equal_to_sequential"] = row["losses"] == rows["sequential"]["losses"]
+        row["max_loss_difference"] = max(abs(a - b) for a, b in zip(row["losses"], rows["sequential"]["losses"]))
+    return {"rows": rows, "refused": refused}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=8, help="tokens per step: sets the forward+backward's share")
+    p.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--block", type=int, default=5, help="steps per arm per round")
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    p.add_argument("--out", type=Path, default=RESULTS / "host_step.json")
+    args = p.parse_args(argv)
+    if "sequential" not in args.arms:
+        p.error("--arms: the sequential arm is the baseline; include it")
+    init_single_process(threads=1)
+    print(f"host step benchmark: {args.layers} layers of hidden {args.hidden} at host_params, ZeRO 2, fp32, "
+          f"{args.tokens} tokens per step, gradient_clipping {args.clip}", flush=True)
+    result = measure(args)
+    table = markdown_table(
+        ["arm", "ms/step", "ratio", "forward+backward ms", "optimizer step ms", "losses equal", "stepped ahead"],
+        [[arm, f"{r['step_seconds'] * 1e3:.1f}", f"{r['ratio_to_sequential']:.3f}",
+          f"{r['forward_backward_seconds'] * 1e3:.1f}", f"{r['optimizer_step_seconds'] * 1e3:.1f}",
+          "yes" if r["losses_equal_to_sequential"] else f"no (max {r['max_loss_difference']:.2g})",
+          "-" if r["stepped_ahead"] is None else f"{r['stepped_ahead']} (redone {r['redone']}, steps held {r['held']})"]
+         for arm, r in result["rows"].items()])
+    print(table)
+    for arm, why in result["refused"].items():
+        print(f"{arm}: not run: {why}")
+    for row in result["rows"].values():
+        row["losses"] = [round(x, 6) for x in row["losses"][-5:]]  # the last few; equality is recorded above
+    write_json(args.out, {"args": vars(args) | {"out": str(args.out)}, "machine": machine_description(),
+                          "median_note": "block times: median over rounds; parts: median over steps", **result})
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
