@@ -321,7 +321,7 @@ class Checkpoints:
         (:meth:`Chosen.converted_weights`): its steps, LR schedule position and fp16 loss scaler, then the plugin's
         state; Adam moments start at zero."""
         engine = self._stages.engine
-        trainer = chosen.trainer_state()
+        trainer = torch.load(os.path.join(chosen.folder, "trainer_state.pt"), map_location="cpu", weights_only=False)
         EngineProgress(steps={"global_steps": trainer["global_steps"], "global_samples": trainer["global_samples"],
                               "skipped_steps": trainer["skipped_steps"],
                               "micro_steps": trainer["global_steps"] * engine.gradient_accumulation_steps()},

@@ -17,7 +17,7 @@ import torch
 from ..callbacks import PSEUDO, REAL
 from ..config import ConfigError
 from ..logs import logger
-from ..ranks import barrier, log_rank0, rank_and_world
+from ..ranks import barrier, rank_and_world
 from . import folders as ckpt
 from .folders import (
     INVALID_SUFFIX, LATEST, Candidate, CheckpointError, VerifyMode, list_checkpoints, read_latest, write_atomic,
@@ -40,7 +40,7 @@ def choose(load_dir: Optional[str], tag: Optional[str], mode: str, stages, stage
         verdict = verify(load_dir, tag, mode)
         if not verdict.ok:
             raise CheckpointError(f"checkpoint {verdict.folder} cannot be loaded: {'; '.join(verdict.problems)}")
-    log_rank0(verdict.summary())
+    logger.info(verdict.summary())  # rank 0's line
     check_compatible(stages, stage, load_dir, tag, verdict.sidecar)
     return Chosen(load_dir, tag, verdict, verdict.sidecar, mode)
 
@@ -177,6 +177,3 @@ class Chosen:
     def converted_weights(self) -> Dict[str, torch.Tensor]:
         """A converted checkpoint's fp32 weights by parameter name, for the stage builder."""
         return torch.load(os.path.join(self.folder, "model_fp32.pt"), map_location="cpu", weights_only=True)
-
-    def trainer_state(self) -> Dict[str, Any]:
-        return torch.load(os.path.join(self.folder, "trainer_state.pt"), map_location="cpu", weights_only=False)
