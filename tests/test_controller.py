@@ -277,19 +277,10 @@ GRANULAR = {"granular_offload": {"levels": ["host_params", "device", "host_optim
 DEEPSPEED_OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
 
 
-@pytest.mark.parametrize("stage, dtype, offload", [
-    (0, "fp32", None), (0, "bf16", None), (1, "fp32", None), (1, "bf16", None), (2, "fp32", None), (2, "bf16", None),
-    (3, "fp32", None), (3, "bf16", None),
-    pytest.param(0, "fp32", GRANULAR, id="0-fp32-granular"), pytest.param(1, "fp32", GRANULAR, id="1-fp32-granular"),
-    pytest.param(2, "fp32", DEEPSPEED_OFFLOAD, id="2-fp32-offload_optimizer")])
-def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, offload, monkeypatch):
-    """The delink allocates the moments unfilled and writes them once, not zero-filled first (a second pass over 8
-    bytes per real parameter): ZeRO 0 writes each parameter's state (bf16: the unfused optimizer's fp32 copy) whole,
-    ZeRO 1/2 each parameter's fragment of the flat partition (on the host with DeepSpeed's offload_optimizer), granular
-    offload each parameter's range of its group's host buffer (and on CUDA the device groups' states). What has no source is zeroed: a parameter whose source has
-    no moments (DeepSpeed gives every trainable parameter a gradient, so that here is an optimizer that keeps none
-    for a parameter it never moved), and the flat partitions' padding. The unfilled memory is NaN here, so that any
-    element left unwritten shows."""
+def poison_unfilled_moments(monkeypatch):
+    """Make the delink's unfilled moments NaN (an element left unwritten shows) and its source read no moments for a
+    parameter named ``idle`` (as from an optimizer that keeps none for it); returns the list that gets the element
+    count of every moment allocated unfilled."""
     unfilled = []
 
     def poisoned(shape, device, pin_memory=False):
@@ -304,10 +295,34 @@ def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, of
 
     monkeypatch.setattr(ds_state.moments, "unfilled", poisoned)
     monkeypatch.setattr(ds_state.weights, "full_moments", none_for_idle)  # what gather_full_state reads
+    return unfilled
+
+
+def tiny_gpt_with_idle_parameters():
+    """The tiny GPT with a parameter ``idle`` in every layer and one outside them, used in no forward."""
     model = tiny_gpt()
-    for layer in model.layers:  # in no forward: a zero gradient, and no moments from the optimizer above
+    for layer in model.layers:  # in no forward: a zero gradient (and no moments under poison_unfilled_moments)
         layer.register_parameter("idle", nn.Parameter(torch.zeros(7)))
     model.register_parameter("idle", nn.Parameter(torch.zeros(3)))  # an odd total: ZeRO 1/2 pad their flats
+    return model
+
+
+@pytest.mark.parametrize("stage, dtype, offload", [
+    (0, "fp32", None), (0, "bf16", None), (1, "fp32", None), (1, "bf16", None), (2, "fp32", None), (2, "bf16", None),
+    (3, "fp32", None), (3, "bf16", None),
+    pytest.param(0, "fp32", GRANULAR, id="0-fp32-granular"), pytest.param(1, "fp32", GRANULAR, id="1-fp32-granular"),
+    pytest.param(2, "fp32", DEEPSPEED_OFFLOAD, id="2-fp32-offload_optimizer")])
+def test_moments_are_written_once_and_what_has_no_source_zeroed(stage, dtype, offload, monkeypatch):
+    """The delink allocates the moments unfilled and writes them once, not zero-filled first (a second pass over 8
+    bytes per real parameter): ZeRO 0 writes each parameter's state (bf16: the unfused optimizer's fp32 copy) whole,
+    ZeRO 1/2 each parameter's fragment of the flat partition (on the host with DeepSpeed's offload_optimizer), granular
+    offload each parameter's range of its group's host buffer (and on CUDA the device groups' states). What has no source is zeroed: a parameter whose source has
+    no moments (DeepSpeed gives every trainable parameter a gradient, so that here is an optimizer that keeps none
+    for a parameter it never moved), and the flat partitions' padding. The unfilled memory is NaN here, so that any
+    element left unwritten shows."""
+    unfilled = poison_unfilled_moments(monkeypatch)
+    full_moments = ds_state.full_moments
+    model = tiny_gpt_with_idle_parameters()
     seen = {}
 
     class Moments(ds_pseudo_real.TrainingCallback):

@@ -388,15 +388,7 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         name = func._schema.name
-        target = None
-        if kwargs.get("device") is not None:
-            target = self.rank.resolve(kwargs["device"])
-            if target.type == "cpu" and name == "aten::_to_copy" and _casting_a_gradient_back():
-                # autograd casts a gradient back with the forward input's own options, whose device is the host
-                # here (a fake GPU tensor is a CPU tensor); on CUDA it is the GPU the gradient is on
-                target = fake_device(args[0])
-            if target.type == "cuda":  # made on the CPU and tagged; the CPU and meta are what they are
-                kwargs["device"] = CPU
+        target = self._target_device(name, args, kwargs)
         pinned = bool(kwargs.get("pin_memory"))
         if pinned:
             kwargs["pin_memory"] = False
@@ -413,23 +405,13 @@ class _Mode(TorchDispatchMode):
             self.rank.nccl.check(name, tensors, group)
         devices = [fake_device(t) for t in tensors]
         written = _written_args(func, args, kwargs)
-        host_operands = _allowed_on_host(func, name, args, written)
-        placed = {d for t, d in zip(tensors, devices)
-                  if not (d.type == "cpu" and any(t is h for h in host_operands))}
-        if len(placed) > 1 and name not in _CROSS_DEVICE and func.namespace != "c10d":
-            a, b = sorted(map(str, placed))[:2]
-            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                               f"{a} and {b}! (fake CUDA: {name})")
+        _check_one_device(func, name, args, tensors, devices, written)
         device = target if target is not None and target.type == "cuda" else \
             next((d for d in devices if d.type == "cuda"), None)
         mutable = func._schema.is_mutable and name not in _METADATA_OPS
         if mutable:  # checked before it writes anything
             self.rank.ordered(name, tensors, written, device)
-        if device is not None and torch.Tag.nondeterministic_seeded in func.tags:
-            with self.rank.device_random(device):  # CUDA's generator of that device, not the CPU's
-                out = func(*args, **kwargs)
-        else:
-            out = func(*args, **kwargs)
+        out = self._run(func, args, kwargs, device)
         inputs = {id(_storage(t)) for t in tensors}
         made = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and id(_storage(o)) not in inputs]
         copy = name in _COPIES
@@ -453,12 +435,51 @@ class _Mode(TorchDispatchMode):
         self.rank.log(name, device, d2h)
         self.rank.wrote([*written, *made], device)
         if d2h:
-            destination = args[0] if copy else made[0]
-            non_blocking = bool(args[2] if copy and len(args) > 2 else kwargs.get("non_blocking"))
-            if not (non_blocking and _is_pinned(destination)):  # a blocking copy: the host waits for the stream
-                stream = self.rank.current_stream(device)
-                _merge_waits(self.rank.host.waited, stream, stream.count, stream.waited)
+            self._copied_to_host(args[0] if copy else made[0], args, kwargs, copy, device)
         return out
+
+    def _target_device(self, name: str, args, kwargs: dict) -> Optional[torch.device]:
+        """The device an op makes its output on (its ``device`` argument; None without one), with ``kwargs``'s
+        ``device`` replaced by the CPU where it names a fake GPU: made on the CPU and tagged afterwards."""
+        if kwargs.get("device") is None:
+            return None
+        target = self.rank.resolve(kwargs["device"])
+        if target.type == "cpu" and name == "aten::_to_copy" and _casting_a_gradient_back():
+            # autograd casts a gradient back with the forward input's own options, whose device is the host
+            # here (a fake GPU tensor is a CPU tensor); on CUDA it is the GPU the gradient is on
+            target = fake_device(args[0])
+        if target.type == "cuda":  # made on the CPU and tagged; the CPU and meta are what they are
+            kwargs["device"] = CPU
+        return target
+
+    def _run(self, func, args, kwargs: dict, device: Optional[torch.device]):
+        """``func`` run on the CPU; a random op on a fake GPU draws from that device's generator."""
+        if device is not None and torch.Tag.nondeterministic_seeded in func.tags:
+            with self.rank.device_random(device):  # CUDA's generator of that device, not the CPU's
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _copied_to_host(self, destination: torch.Tensor, args, kwargs: dict, copy: bool,
+                        device: torch.device) -> None:
+        """A copy from ``device`` to the host into ``destination`` was issued: unless it is a non-blocking copy into
+        pinned memory, the host waits for the current stream of ``device``."""
+        non_blocking = bool(args[2] if copy and len(args) > 2 else kwargs.get("non_blocking"))
+        if not (non_blocking and _is_pinned(destination)):  # a blocking copy: the host waits for the stream
+            stream = self.rank.current_stream(device)
+            _merge_waits(self.rank.host.waited, stream, stream.count, stream.waited)
+
+
+def _check_one_device(func, name: str, args, tensors: List[torch.Tensor], devices: List[torch.device],
+                      written: List[torch.Tensor]) -> None:
+    """Raise as CUDA does when op ``name`` mixes ``tensors`` of two devices (``devices``, theirs), but for the host
+    operands CUDA takes beside device tensors, ops that copy across devices and collectives."""
+    host_operands = _allowed_on_host(func, name, args, written)
+    placed = {d for t, d in zip(tensors, devices)
+              if not (d.type == "cpu" and any(t is h for h in host_operands))}
+    if len(placed) > 1 and name not in _CROSS_DEVICE and func.namespace != "c10d":
+        a, b = sorted(map(str, placed))[:2]
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                           f"{a} and {b}! (fake CUDA: {name})")
 
 
 class _IndexDevices(TorchFunctionMode):
@@ -695,60 +716,14 @@ class FakeGpuRank:
         if FakeGpuRank.active is not None:
             raise RuntimeError("a FakeGpuRank is already active")
         FakeGpuRank.active = self
-        cuda = torch.cuda
-        rank = self
         self._env = os.environ.get("LOCAL_RANK")
         os.environ["LOCAL_RANK"] = str(self.local_rank)
-        for name, value in {
-            "is_available": lambda: True, "device_count": lambda: self.device_count,
-            "current_device": lambda: self.current, "set_device": self.set_device,
-            "_lazy_init": lambda: None, "is_initialized": lambda: True, "init": lambda: None,
-            "Stream": FakeStream, "Event": FakeEvent, "stream": _StreamContext, "device": _DeviceContext,
-            "current_stream": self.current_stream, "default_stream": self.default_stream,
-            "set_stream": self.set_stream, "synchronize": self._synchronize,
-            "is_bf16_supported": lambda *a, **k: True, "cudart": lambda: self.cudart,
-            "get_device_capability": lambda device=None: (9, 0), "get_device_name": lambda device=None: "fake GPU",
-            "get_rng_state": lambda device="cuda": self.generator(device).get_state(),
-            "set_rng_state": lambda state, device="cuda": self.generator(device).set_state(state),
-            "manual_seed": lambda seed: self.generator().manual_seed(seed),
-            "manual_seed_all": lambda seed: [self.generator(i).manual_seed(seed) for i in range(self.device_count)],
-            "seed": lambda: self.generator().seed(), "initial_seed": lambda: self.generator().initial_seed(),
-            "default_generators": self.generators,
-        }.items():
-            self._patch(cuda, name, value)
+        for name, value in _fake_torch_cuda(self).items():
+            self._patch(torch.cuda, name, value)
         for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "seed", "initial_seed"):
-            self._patch(torch.cuda.random, name, getattr(cuda, name))  # called there too (Megatron's RNG tracker)
-
-        def to(tensor, *args, copy=False, **kwargs):
-            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-            options = dict(dtype=dtype, non_blocking=non_blocking, copy=copy)
-            if memory_format is not None:
-                options["memory_format"] = memory_format
-            if device is None or rank.resolve(device) == fake_device(tensor):
-                return _ORIGINAL_TO(tensor, **options)
-            # a copy on the CPU (C++ sees two host tensors), which the mode tags with the target device
-            return _ORIGINAL_TO(tensor, rank.resolve(device), **dict(options, copy=True))
-
-        def from_data(make):
-            def made(data, *args, device=None, **kwargs):  # torch.tensor allocates out of the dispatcher's sight
-                out = make(data, *args, **kwargs)
-                return out if device is None else out.to(rank.resolve(device))
-            return made
-
-        self._patch(torch, "tensor", from_data(torch.tensor))
-        self._patch(torch, "as_tensor", from_data(torch.as_tensor))
-        self._patch(torch.Tensor, "to", to)
-        self._patch(torch.Tensor, "cpu", lambda t, *a, **k: t.to(CPU))
-        self._patch(torch.Tensor, "cuda", lambda t, device=None, non_blocking=False, **k:
-                    t.to(rank.resolve(device), non_blocking=non_blocking))
-        self._patch(torch.Tensor, "device", property(fake_device))
-        self._patch(torch.Tensor, "is_cuda", property(lambda t: fake_device(t).type == "cuda"))
-        self._patch(torch.Tensor, "get_device", lambda t: fake_device(t).index if fake_device(t).type == "cuda"
-                    else -1)
-        self._patch(torch.Tensor, "type", _fake_type)
-        self._patch(torch.Tensor, "record_stream", lambda t, stream: self._record_stream(t, stream))
-        self._patch(torch.UntypedStorage, "resize_", lambda storage, nbytes: self._resize_storage(storage, nbytes))
-        self._patch(torch.Tensor, "grad", property(_BASE_GRAD.__get__, _set_grad))
+            # called there too (Megatron's RNG tracker)
+            self._patch(torch.cuda.random, name, getattr(torch.cuda, name))
+        _patch_tensor_devices(self)
         try:
             from deepspeed.accelerator import real_accelerator
         except ImportError:  # DeepSpeed is optional for this harness
@@ -920,6 +895,73 @@ def _set_grad(tensor: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
                            f"{fake_device(tensor)}; please ensure that the gradient and the tensor are on the same "
                            f"device (fake CUDA)")
     _BASE_GRAD.__set__(tensor, grad)
+
+
+def _fake_torch_cuda(rank: "FakeGpuRank") -> Dict[str, Any]:
+    """``torch.cuda``'s functions and classes over ``rank``'s fake devices, by name: availability, devices, streams,
+    events, the random generators and what DeepSpeed and Megatron ask of the hardware."""
+    return {
+        "is_available": lambda: True, "device_count": lambda: rank.device_count,
+        "current_device": lambda: rank.current, "set_device": rank.set_device,
+        "_lazy_init": lambda: None, "is_initialized": lambda: True, "init": lambda: None,
+        "Stream": FakeStream, "Event": FakeEvent, "stream": _StreamContext, "device": _DeviceContext,
+        "current_stream": rank.current_stream, "default_stream": rank.default_stream,
+        "set_stream": rank.set_stream, "synchronize": rank._synchronize,
+        "is_bf16_supported": lambda *a, **k: True, "cudart": lambda: rank.cudart,
+        "get_device_capability": lambda device=None: (9, 0), "get_device_name": lambda device=None: "fake GPU",
+        "get_rng_state": lambda device="cuda": rank.generator(device).get_state(),
+        "set_rng_state": lambda state, device="cuda": rank.generator(device).set_state(state),
+        "manual_seed": lambda seed: rank.generator().manual_seed(seed),
+        "manual_seed_all": lambda seed: [rank.generator(i).manual_seed(seed) for i in range(rank.device_count)],
+        "seed": lambda: rank.generator().seed(), "initial_seed": lambda: rank.generator().initial_seed(),
+        "default_generators": rank.generators,
+    }
+
+
+def _fake_to(rank: "FakeGpuRank"):
+    """``Tensor.to`` moving a tensor between ``rank``'s fake devices: a copy on the CPU that the dispatch mode tags
+    with the target device; to the device it is on already, torch's own ``to``."""
+    def to(tensor, *args, copy=False, **kwargs):
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        options = dict(dtype=dtype, non_blocking=non_blocking, copy=copy)
+        if memory_format is not None:
+            options["memory_format"] = memory_format
+        if device is None or rank.resolve(device) == fake_device(tensor):
+            return _ORIGINAL_TO(tensor, **options)
+        # a copy on the CPU (C++ sees two host tensors), which the mode tags with the target device
+        return _ORIGINAL_TO(tensor, rank.resolve(device), **dict(options, copy=True))
+    return to
+
+
+def _from_data(make, rank: "FakeGpuRank"):
+    """``torch.tensor``/``torch.as_tensor`` (``make``), which allocate out of the dispatcher's sight: made on the
+    host, then moved to ``device`` on ``rank``'s fake devices."""
+    def made(data, *args, device=None, **kwargs):
+        out = make(data, *args, **kwargs)
+        return out if device is None else out.to(rank.resolve(device))
+    return made
+
+
+def _patch_tensor_devices(rank: "FakeGpuRank") -> None:
+    """Tensors made on, moved to and asked about ``rank``'s fake devices: ``torch.tensor``, ``to``/``cpu``/``cuda``,
+    ``device``/``is_cuda``/``get_device``/``type``, ``record_stream``, a storage's ``resize_`` and ``.grad``'s
+    device check."""
+    rank._patch(torch, "tensor", _from_data(torch.tensor, rank))
+    rank._patch(torch, "as_tensor", _from_data(torch.as_tensor, rank))
+    rank._patch(torch.Tensor, "to", _fake_to(rank))
+    rank._patch(torch.Tensor, "cpu", lambda t, *a, **k: t.to(CPU))
+    rank._patch(torch.Tensor, "cuda", lambda t, device=None, non_blocking=False, **k:
+                t.to(rank.resolve(device), non_blocking=non_blocking))
+    rank._patch(torch.Tensor, "device", property(fake_device))
+    rank._patch(torch.Tensor, "is_cuda", property(lambda t: fake_device(t).type == "cuda"))
+    rank._patch(torch.Tensor, "get_device", lambda t: fake_device(t).index if fake_device(t).type == "cuda"
+                else -1)
+    rank._patch(torch.Tensor, "type", _fake_type)
+    rank._patch(torch.Tensor, "record_stream", lambda t, stream: rank._record_stream(t, stream))
+    rank._patch(torch.UntypedStorage, "resize_", lambda storage, nbytes: rank._resize_storage(storage, nbytes))
+    rank._patch(torch.Tensor, "grad", property(_BASE_GRAD.__get__, _set_grad))
+
+
 # c10d's process-group state (torch 2.13): the world object, the maps its properties read, the group counter (kept
 # counting while the fake group lives, so that no group name is taken twice)
 _C10D_STATE = ("_world", "_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag",

@@ -72,6 +72,23 @@ MAIN_JOB_CASES = {
 }
 
 
+def train_main_job(config: Path, output_dir: Path) -> int:
+    """``launch/train.py``'s ``train`` of a 4-layer GPT on ``config`` for 4 steps into ``output_dir``, evaluating 2
+    batches every 2 steps; the signal handlers it installs are put back after. Returns its exit code."""
+    from launch import train as main_job
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        args = main_job.parse_args([
+            "--deepspeed_config", str(config), "--output-dir", str(output_dir), "--steps", "4",
+            "--eval-interval", "2", "--eval-batches", "2", "--n-layer", "4", "--d-model", "32", "--n-head", "2",
+            "--seq-len", "16", "--corpus-bytes", "200000"])
+        return main_job.train(args)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 @pytest.mark.parametrize("fake_world,stage,levels,dtype", [
     pytest.param(group_rank, stage, levels, dtype, id=name)
     for name, (stage, levels, group_rank, dtype) in MAIN_JOB_CASES.items()], indirect=["fake_world"])
@@ -79,7 +96,6 @@ def test_the_main_jobs_loop_runs_on_the_ranks_gpu(fake_world, stage, levels, dty
     """``launch/train.py``'s ``train`` for 4 steps, delinking at step 2, evaluating at steps 2 and 4 and saving at
     the end: every loss and evaluation sum is all-reduced on cuda:3 (in bf16 and fp16 too, the gradients cast back
     through the loss's fp32 on the GPU)."""
-    from launch import train as main_job
     from launch import trainer
 
     rank, nccl = fake_world
@@ -111,16 +127,7 @@ def test_the_main_jobs_loop_runs_on_the_ranks_gpu(fake_world, stage, levels, dty
         return sum_over_ranks(values, device)
 
     monkeypatch.setattr(trainer, "sum_over_ranks", spy)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
-    try:
-        args = main_job.parse_args([
-            "--deepspeed_config", str(tmp_path / "c.json"), "--output-dir", str(tmp_path / "run"), "--steps", "4",
-            "--eval-interval", "2", "--eval-batches", "2", "--n-layer", "4", "--d-model", "32", "--n-head", "2",
-            "--seq-len", "16", "--corpus-bytes", "200000"])
-        assert main_job.train(args) == 0
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    assert train_main_job(tmp_path / "c.json", tmp_path / "run") == 0
     # the overlapped host step: layer 0 of the pseudo model (the first step learns) and of the real one (the delink
     # builds a new optimizer, which learns at step 3), stepped ahead at steps 2 and 4
     overlapped = cfg.get("granular_offload", {}).get("host_step") == "overlapped"
@@ -217,6 +224,65 @@ def test_a_pipeline_with_granular_offload_runs_on_the_ranks_gpu(fake_world):
 
 
 # ---- the Megatron drop-in -------------------------------------------------------------------------------------
+def drop_in_args(distributed_optimizer: bool) -> SimpleNamespace:
+    """Megatron-LM's arguments the drop-in reads: 4 layers sharing one set, the switch at iteration 2 of 4, the
+    copy policy, no checkpoints."""
+    return SimpleNamespace(pseudo_to_real_switch_iter=2, pseudo_to_real_groups=1, num_layers=4,
+                           pseudo_to_real_real_layout=None, m6_expert_prototypes=None, save=None, load=None,
+                           ckpt_step=None, train_iters=4, virtual_pipeline_model_parallel_size=None,
+                           use_distributed_optimizer=distributed_optimizer,
+                           dist_ckpt_optim_fully_reshardable=False, pseudo_to_real_optimizer_state="copy",
+                           curr_iteration=0)
+
+
+def megatron_setup(cfg, distributed_optimizer: bool, fp16: bool):
+    """Megatron-LM's ``setup_model_and_optimizer`` on the current device: the provider's model in Megatron's
+    DistributedDataParallel (overlapped gradient reduction; in Float16Module for fp16) and its Adam (clip 1.0, in
+    fp16 a dynamic loss scale from 2**10, window 1)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    def setup_model_and_optimizer(model_provider, model_type):
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                                                   use_distributed_optimizer=distributed_optimizer)
+        module = model_provider().cuda()
+        chunks = [DistributedDataParallel(config=cfg, ddp_config=ddp_config,
+                                          module=Float16Module(cfg, module) if fp16 else module)]
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, fp16=fp16,
+                                                           initial_loss_scale=2**10, loss_scale_window=1,
+                                                           use_distributed_optimizer=distributed_optimizer),
+                                           chunks)
+        return chunks, optimizer, None
+    return setup_model_and_optimizer
+
+
+def summed_logits_step(tokens, positions, mask):
+    """A Megatron ``forward_step`` on one fixed batch: the loss is the sum of the model's output (as float), its
+    element count on the device and that sum reported as ``lm loss``."""
+    def forward_step(data, chunk):
+        out = chunk(tokens, positions, mask, labels=torch.roll(tokens, -1, 1))
+        return out, lambda o: (o.float().sum(), torch.tensor(o.numel(), dtype=torch.int, device="cuda"),
+                               {"lm loss": o.float().sum().detach()})
+    return forward_step
+
+
+def megatron_train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config):
+    """Megatron-LM's ``train_step`` reduced to its work: gradients zeroed, 2 micro-batches forward and backward
+    through Megatron's schedule, one optimizer step; returns the summed ``lm loss``."""
+    import mcore_setup as ms
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model, num_microbatches=2,
+        seq_length=ms.SEQ, micro_batch_size=ms.BATCH, forward_only=False)
+    optimizer.step()
+    return float(sum(r["lm loss"] for r in reports))
+
+
 @pytest.mark.parametrize("distributed_optimizer,fp16", [(True, False), (False, False), (True, True)],
                          ids=["distributed_optimizer", "ddp", "distributed_optimizer_fp16"])
 def test_the_megatron_drop_ins_delink_runs_on_the_ranks_gpu(fake_world, distributed_optimizer, fp16):
@@ -226,11 +292,8 @@ def test_the_megatron_drop_ins_delink_runs_on_the_ranks_gpu(fake_world, distribu
     fp16 (Megatron's Float16Module and grad scaler, its found-inf reduced on cuda:3) the scale goes on across it."""
     import mcore_setup as ms
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-    from megatron.core.transformer.module import Float16Module
 
     from megatron_patches.run import PseudoToRealRun, StageLayout
 
@@ -240,25 +303,8 @@ def test_the_megatron_drop_ins_delink_runs_on_the_ranks_gpu(fake_world, distribu
     try:
         model_parallel_cuda_manual_seed(1)
         cfg = ms.config(num_layers=4, use_cpu_initialization=False, fp16=fp16)
-        args = SimpleNamespace(pseudo_to_real_switch_iter=2, pseudo_to_real_groups=1, num_layers=4,
-                               pseudo_to_real_real_layout=None, m6_expert_prototypes=None, save=None, load=None,
-                               ckpt_step=None, train_iters=4, virtual_pipeline_model_parallel_size=None,
-                               use_distributed_optimizer=distributed_optimizer,
-                               dist_ckpt_optim_fully_reshardable=False, pseudo_to_real_optimizer_state="copy",
-                               curr_iteration=0)
-
-        def setup_model_and_optimizer(model_provider, model_type):  # as Megatron-LM's, on the current device
-            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
-                                                       use_distributed_optimizer=distributed_optimizer)
-            module = model_provider().cuda()
-            chunks = [DistributedDataParallel(config=cfg, ddp_config=ddp_config,
-                                              module=Float16Module(cfg, module) if fp16 else module)]
-            optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, fp16=fp16,
-                                                               initial_loss_scale=2**10, loss_scale_window=1,
-                                                               use_distributed_optimizer=distributed_optimizer),
-                                               chunks)
-            return chunks, optimizer, None
-
+        args = drop_in_args(distributed_optimizer)
+        setup_model_and_optimizer = megatron_setup(cfg, distributed_optimizer, fp16)
         run = PseudoToRealRun(SimpleNamespace(setup_model_and_optimizer=setup_model_and_optimizer), lambda: args,
                               lambda *a, **k: ms.gpt(cfg, None, seed=3), None, StageLayout())
         model, optimizer, _ = setup_model_and_optimizer(run.model_provider, None)
@@ -268,26 +314,11 @@ def test_the_megatron_drop_ins_delink_runs_on_the_ranks_gpu(fake_world, distribu
 
         pseudo = gpt(model[0])
         tokens, positions, mask, _ = (t.cuda() if t is not None else None for t in ms.batch(seed=7))
-
-        def forward_step(data, chunk):
-            out = chunk(tokens, positions, mask, labels=torch.roll(tokens, -1, 1))
-            return out, lambda o: (o.float().sum(), torch.tensor(o.numel(), dtype=torch.int, device="cuda"),
-                                   {"lm loss": o.float().sum().detach()})
-
-        def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config):
-            for chunk in model:
-                chunk.zero_grad_buffer()
-            optimizer.zero_grad()
-            reports = get_forward_backward_func()(
-                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model, num_microbatches=2,
-                seq_length=ms.SEQ, micro_batch_size=ms.BATCH, forward_only=False)
-            optimizer.step()
-            return float(sum(r["lm loss"] for r in reports))
-
+        forward_step = summed_logits_step(tokens, positions, mask)
         config = model[0].config
         config.grad_scale_func, config.finalize_model_grads_func = optimizer.scale_loss, finalize_model_grads
         config.no_sync_func, config.grad_sync_func = model[0].no_sync, model[0].start_grad_sync
-        step = run.train_step(train_step)
+        step = run.train_step(megatron_train_step)
         losses = []
         for iteration in range(4):
             args.curr_iteration = iteration

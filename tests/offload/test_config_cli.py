@@ -190,6 +190,17 @@ def test_experts_are_groups_of_their_own(tmp_path, capsys):
     assert "layer1.experts      host_optimizer  4,000        39.06 KiB    31.25 KiB" in out
 
 
+def refused_plan_at_max_level(capsys, tmp_path, config, max_level):
+    """What ``plan`` says on stderr for ``config`` on 512 ranks with its ``granular_offload.max_level`` set to
+    ``max_level``, a plan it must refuse (exit code 2)."""
+    raw = json.loads(Path(config).read_text())
+    raw["granular_offload"]["max_level"] = max_level
+    capped = tmp_path / "capped.json"
+    capped.write_text(json.dumps(raw))
+    assert cli_main(["plan", "--config", str(capped), "--world-size", "512"]) == 2
+    return capsys.readouterr().err
+
+
 def test_m6_10t_config_on_512_ranks_of_32gb(capsys, tmp_path):
     """configs/offload_m6_10t.json (bf16, ZeRO 1, experts spread over all 512 ranks): the fully shared pseudo model
     fits without offload. The real one fits only with experts at host_params: each rank's 48 x 409M expert
@@ -237,12 +248,7 @@ def test_m6_10t_config_on_512_ranks_of_32gb(capsys, tmp_path):
             f"{moved / 12e9:.3g} s (at 12 GB/s) + host Adam {stepped / 5e8:.3g} s ({stepped:,} params at "
             f"5e+08/s)") in out
     assert f"{moved / 12e9 + stepped / 5e8:.3g}" == "49.1"
-    raw = json.loads(Path(config).read_text())
-    raw["granular_offload"]["max_level"] = "host_optimizer"
-    capped = tmp_path / "capped.json"
-    capped.write_text(json.dumps(raw))
-    assert cli_main(["plan", "--config", str(capped), "--world-size", "512"]) == 2
-    err = capsys.readouterr().err
+    err = refused_plan_at_max_level(capsys, tmp_path, config, "host_optimizer")
     # per expert group at host_optimizer: bf16 params + grads (2 + 2 B) + fp32 copy (4 B) stay on the device; one
     # side stream; the step's flat gradients (6n) exceed the backward's activations and bucket
     needed = 48 * (4 * dense + 4 * m_dense) + 48 * 8 * n + (4 * other + 4 * m_other) + pool + reserved + 6 * n

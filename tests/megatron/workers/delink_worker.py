@@ -81,30 +81,76 @@ def use_group_step_adam():
 
 
 def run_scenario(tp, policy, distopt, *flags):
+    """Scenario ``TP:POLICY:DISTOPT[:FLAG...]`` (see the module's docstring): the pseudo GPT trained for STEPS steps
+    and delinked at SWITCH with ``policy``; its figures."""
     tp, distopt, flags = int(tp), distopt == "1", set(flags)
-    moe, bf16, fp16 = "moe" in flags, "bf16" in flags, "fp16" in flags
     ep = 2 if "ep2" in flags else 1
     etp = 1 if ep > 1 else tp
     ms.init(tp=tp, ep=ep, etp=etp)
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     import megatron.core.optimizer as mco
 
     torch_adam = (mco.Adam, mco.USING_PYTORCH_OPTIMIZER)
     if "groupstep" in flags:
         use_group_step_adam()
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.module import Float16Module
 
+    cfg, spec, lr = scenario_config(tp, ep, etp, flags)
+    wrap = ddp_and_optimizer(cfg, lr, distopt, "bf16" in flags, "fp16" in flags)
+    chunks, optimizer = wrap(ms.gpt(cfg, spec, shared_groups=1))
+    pseudo_params = sharing.parameter_count(gpt_in(chunks[0]))
+    tokens, pos, mask, _ = ms.batch(seed=7 + (0 if "samedata" in flags else parallel_state.get_data_parallel_rank()))
+    forward_step = summed_loss_step(tokens, pos, mask)
+    run = get_forward_backward_func()
+
+    def evaluate(model):
+        return mean_loss(run(forward_step_func=forward_step, data_iterator=iter([None]), model=model,
+                             num_microbatches=1, seq_length=ms.SEQ, micro_batch_size=ms.BATCH, forward_only=True))
+
+    losses, result = [], {}
+    for step in range(STEPS):
+        if step == SWITCH and "noswitch" not in flags:
+            chunks, optimizer, figures = delink_and_check(chunks, optimizer, lambda: wrap(ms.gpt(cfg, spec, seed=3)),
+                                                          policy, evaluate)
+            result.update(figures)
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = run(forward_step_func=forward_step, data_iterator=iter([None, None]), model=chunks,
+                      num_microbatches=2, seq_length=ms.SEQ, micro_batch_size=ms.BATCH, forward_only=False)
+        before = {n: p.detach().float().clone() for n, p in gpt_in(chunks[0]).named_parameters()}
+        optimizer.step()
+        if step == SWITCH:
+            result["first_update_norm"] = update_norms(gpt_in(chunks[0]), before)
+        losses.append(mean_loss(reports))
+    mco.Adam, mco.USING_PYTORCH_OPTIMIZER = torch_adam
+    result.update(final_figures(gpt_in(chunks[0]), optimizer, "moe" in flags, lambda: evaluate(chunks)))
+    result.update({"losses": losses, "pseudo_params": pseudo_params})
+    return result
+
+
+def scenario_config(tp, ep, etp, flags):
+    """The scenario's model: its transformer config (4 layers; M6 MoE with ``moe``, sequence parallel at TP > 1;
+    bf16 or fp16), its layer spec (None: dense) and its learning rate."""
     from megatron_patches.moe import m6_layer_spec, m6_moe_config
 
+    moe = "moe" in flags
     spec = m6_layer_spec(4, 2) if moe else None
     routing = dict(capacity_factor=1.0, balance_loss_coeff=0.01) if "drop" in flags else dict(capacity_factor=2.0)
     extra = m6_moe_config(4, 2, **routing) if moe else {}  # capacity factor 2.0 (top-1 of 2 experts): none dropped
     cfg = ms.config(num_layers=L, tp=tp, ep=ep, expert_tensor_parallel_size=etp, sequence_parallel=moe and tp > 1,
-                    bf16=bf16, fp16=fp16, **extra)
+                    bf16="bf16" in flags, fp16="fp16" in flags, **extra)
     lr = next((float(f[2:]) for f in flags if f.startswith("lr")), LR["moe" if moe else "dense"])
+    return cfg, spec, lr
+
+
+def ddp_and_optimizer(cfg, lr, distopt, bf16, fp16):
+    """A function wrapping a model in Megatron's DDP (overlapped grad reduce; in Float16Module for ``bf16`` or
+    ``fp16``) and building its optimizer (Adam at ``lr``, the DistributedOptimizer with ``distopt``), the train hooks
+    of ``cfg`` pointed at both; it returns the chunks and the optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
 
     def wrap(model):
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
@@ -120,69 +166,69 @@ def run_scenario(tp, policy, distopt, *flags):
         cfg.no_sync_func = chunks[0].no_sync
         cfg.grad_sync_func = chunks[0].start_grad_sync
         return chunks, optimizer
+    return wrap
 
-    def gpt(chunk):
-        module = chunk.module
-        return module.module if isinstance(module, Float16Module) else module
 
-    chunks, optimizer = wrap(ms.gpt(cfg, spec, shared_groups=1))
-    pseudo_params = sharing.parameter_count(gpt(chunks[0]))
-    tokens, pos, mask, _ = ms.batch(seed=7 + (0 if "samedata" in flags else parallel_state.get_data_parallel_rank()))
+def gpt_in(chunk):
+    """The GPT model inside a DDP chunk (and its Float16Module, if any)."""
+    from megatron.core.transformer.module import Float16Module
 
+    module = chunk.module
+    return module.module if isinstance(module, Float16Module) else module
+
+
+def summed_loss_step(tokens, pos, mask):
+    """A Megatron ``forward_step`` on one fixed batch: the loss is the sum of the per-token losses, reported as
+    ``lm loss`` with the token count, for :func:`mean_loss`."""
     def forward_step(data, model):
         out = model(tokens, pos, mask, labels=torch.roll(tokens, -1, 1))
         return out, lambda o: (o.float().sum(), torch.tensor(o.numel(), dtype=torch.int),
                                {"lm loss": torch.stack([o.float().sum().detach(), torch.tensor(float(o.numel()))])})
+    return forward_step
 
-    run = get_forward_backward_func()
 
-    def mean_loss(reports):
-        return float(sum(r["lm loss"][0] for r in reports) / sum(r["lm loss"][1] for r in reports))
+def mean_loss(reports):
+    """The mean per-token loss over the micro-batches' ``lm loss`` reports of :func:`summed_loss_step`."""
+    return float(sum(r["lm loss"][0] for r in reports) / sum(r["lm loss"][1] for r in reports))
 
-    def evaluate():
-        return mean_loss(run(forward_step_func=forward_step, data_iterator=iter([None]), model=chunks,
-                             num_microbatches=1, seq_length=ms.SEQ, micro_batch_size=ms.BATCH, forward_only=True))
 
-    losses, result = [], {}
-    for step in range(STEPS):
-        if step == SWITCH and "noswitch" not in flags:
-            result["pre_switch_eval"] = evaluate()
-            result["loss_scale_pre"] = float(optimizer.get_loss_scale())
-            pseudo = chunks[0].module
-            shared = read_adam_states(pseudo, optimizer)
-            pseudo_named = dict(pseudo.named_parameters(remove_duplicate=False))
-            chunks, optimizer = delink_in_process(chunks, optimizer, lambda: wrap(ms.gpt(cfg, spec, seed=3)), policy)
-            result["post_switch_eval"] = evaluate()
-            result["loss_scale_post"] = float(optimizer.get_loss_scale())
-            result["real_params"] = sharing.parameter_count(gpt(chunks[0]))
-            result.update(check_carried_state(chunks[0].module, optimizer, shared, pseudo_named, policy))
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        reports = run(forward_step_func=forward_step, data_iterator=iter([None, None]), model=chunks,
-                      num_microbatches=2, seq_length=ms.SEQ, micro_batch_size=ms.BATCH, forward_only=False)
-        before = {n: p.detach().float().clone() for n, p in gpt(chunks[0]).named_parameters()}
-        optimizer.step()
-        if step == SWITCH:
-            result["first_update_norm"] = update_norms(gpt(chunks[0]), before)
-        losses.append(mean_loss(reports))
-    mco.Adam, mco.USING_PYTORCH_OPTIMIZER = torch_adam
-    real = gpt(chunks[0])
+def delink_and_check(chunks, optimizer, build_real, policy, evaluate):
+    """The delink in process with ``policy``: the real chunks and optimizer (``build_real`` makes them), and the
+    figures around it: the evaluation loss and loss scale before and after, the real parameter count and the
+    state every real parameter starts with (:func:`check_carried_state`)."""
+    figures = {"pre_switch_eval": evaluate(chunks), "loss_scale_pre": float(optimizer.get_loss_scale())}
+    pseudo = chunks[0].module
+    shared = read_adam_states(pseudo, optimizer)
+    pseudo_named = dict(pseudo.named_parameters(remove_duplicate=False))
+    chunks, optimizer = delink_in_process(chunks, optimizer, build_real, policy)
+    figures["post_switch_eval"] = evaluate(chunks)
+    figures["loss_scale_post"] = float(optimizer.get_loss_scale())
+    figures["real_params"] = sharing.parameter_count(gpt_in(chunks[0]))
+    figures.update(check_carried_state(chunks[0].module, optimizer, shared, pseudo_named, policy))
+    return chunks, optimizer, figures
+
+
+def final_figures(real, optimizer, moe, evaluate):
+    """The trained model's figures: whether its layers differ (and, with ``moe``, its experts), whether the
+    data-parallel ranks hold the same weights, the final evaluation loss (``evaluate()``) and the optimizer's
+    classes (Megatron's and torch's inside it)."""
+    from megatron.core import parallel_state
+
     probe = real.get_parameter(QKV.format(1)).detach().float().clone()
     group = parallel_state.get_data_parallel_group()
     synced = probe.clone()
     dist.all_reduce(synced, group=group)
+    figures = {}
     if moe:
-        result["experts_differ"] = not torch.equal(real.get_parameter(EXPERT.format(0)),
-                                                   real.get_parameter(EXPERT.format(L - 1)))
-    result.update({"losses": losses, "pseudo_params": pseudo_params, "final_eval": evaluate(),
-                   "layers_differ": not torch.equal(real.get_parameter(QKV.format(0)).float(), probe),
-                   "dp_in_sync": bool(torch.allclose(synced / group.size(), probe, atol=1e-6)),
-                   "optimizer": type(optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers")
-                                     else optimizer).__name__,
-                   "torch_optimizer": type(getattr(optimizer.chained_optimizers[0] if hasattr(
-                       optimizer, "chained_optimizers") else optimizer, "optimizer", None)).__name__})
-    return result
+        figures["experts_differ"] = not torch.equal(real.get_parameter(EXPERT.format(0)),
+                                                    real.get_parameter(EXPERT.format(L - 1)))
+    inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+    figures.update({"final_eval": evaluate(),
+                    "layers_differ": not torch.equal(real.get_parameter(QKV.format(0)).float(), probe),
+                    "dp_in_sync": bool(torch.allclose(synced / group.size(), probe, atol=1e-6)),
+                    "optimizer": type(inner).__name__,
+                    "torch_optimizer": type(getattr(inner, "optimizer", None)).__name__})
+    return figures
 
 
 def check_carried_state(real, optimizer, shared, pseudo_named, policy):
