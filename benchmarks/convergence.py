@@ -591,14 +591,18 @@ def versus_same_schedule(arm: Arm, same: Arm, rows: Dict[int, Dict], per_run: Di
     return out
 
 
-def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]]) -> Dict:
-    """Per arm and seed: steps/time to reach scratch's final validation loss (same seed), loss at equal steps and
-    at scratch's total time, loss jump; then spread over seeds and differences paired by seed against scratch."""
+def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]], reference: str = "scratch") -> Dict:
+    """Per arm and seed: steps/time to reach the ``reference`` arm's final validation loss (same seed; the regime's
+    scratch by default, or a strong baseline such as scratch on a 5x schedule), loss at equal steps and at the
+    reference's total time, loss jump; then spread over seeds and differences paired by seed against the reference
+    (the keys say "scratch" whichever arm it is: ``reference`` names it)."""
     by = {(r["arm"], r["seed"]): r for r in runs}
-    seeds = sorted({r["seed"] for r in runs})
+    seeds = sorted({r["seed"] for r in runs if (reference, r["seed"]) in by})
     per_run = {}
     for run in runs:
-        scratch = by[("scratch", run["seed"])]
+        if run["seed"] not in seeds:
+            continue
+        scratch = by[(reference, run["seed"])]
         target = scratch["val_loss"][-1]
         row = {"final_val": run["val_loss"][-1], "loss_jump": loss_jump(run), "target": target}
         steps_at = first_crossing(run["eval_steps"], run["val_loss"], target)
@@ -623,7 +627,7 @@ def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]
     arms = []
     for arm in regime.arms:
         rows = {s: per_run[(arm.name, s)] for s in seeds if (arm.name, s) in per_run}
-        base = {s: per_run[("scratch", s)] for s in seeds}
+        base = {s: per_run[(reference, s)] for s in seeds}
         entry = {"arm": asdict(arm), "switch_step": switch_step(arm_regime(regime, arm), arm), "seeds": sorted(rows)}
         metrics = ["final_val", "loss_jump", "steps_to_target"] + [
             f"{c}_{m}" for c in clocks for m in ("total", "to_target", "val_at_scratch_time", "equal_time_delta",
@@ -655,7 +659,7 @@ def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]
             [m[r["phases"][0]] / m["real"] for m, r in zip(same_run_opt, arm_runs) if r["phases"][0] != "real" and r["phases"][0] in m and "real" in m])
         delinks = [r["transition"]["seconds"] for r in arm_runs if r["transition"]]
         entry["transition_seconds"] = spread(delinks)
-        if arm.kind == "pseudo_to_real" and not arm.stages:
+        if arm.kind == "pseudo_to_real" and not arm.stages and reference == "scratch":
             # what a pseudo step would have to cost for this arm to reach the 2x goal (median of all <= 0.5)
             reached = [rows[s]["steps_to_target"] for s in rows]
             switches = [by[(arm.name, s)]["switch_step"] for s in rows]
@@ -663,19 +667,21 @@ def analyse(regime: Regime, runs: List[Dict], clocks: Dict[str, Dict[str, float]
             # the same clock with free pseudo steps: the real steps alone, the least any pseudo cost could give
             entry["ratio_with_free_pseudo_steps"] = median_counting_missing(
                 [None if n is None else steps_in_real_steps(n, w, 0.0) / regime.steps for n, w in zip(reached, switches)])
-        same = same_schedule_scratch(regime, arm)
+        same = same_schedule_scratch(regime, arm) if reference == "scratch" else None
         if same is not None:
             entry["vs_same_schedule_scratch"] = versus_same_schedule(arm, same, rows, per_run, by, clocks)
         arms.append(entry)
-    return {"arms": arms}
+    return {"arms": arms, "reference": reference}
 
 
 def print_tables(regime: Regime, summary: Dict, clocks: Sequence[str], costs: Dict) -> str:
+    reference = summary.get("reference", "scratch")
     lines = [f"\n## {regime.name}: {regime.n_layer} layers, hidden {regime.d_model}, seq {regime.seq_len}, batch "
-             f"{regime.batch_size}, {regime.steps} steps" + (f", MoE {regime.moe}" if regime.moe else "")]
+             f"{regime.batch_size}, {regime.steps} steps" + (f", MoE {regime.moe}" if regime.moe else "")
+             + ("" if reference == "scratch" else f"; target and ratios: {reference}'s final loss and totals")]
     lines.append("cost-model step seconds per phase (pooled medians): "
                  + ", ".join(f"{k} {v:.4f}" for k, v in sorted(costs.items())))
-    header = ["variant", "final val (mean±sd)", "Δ vs scratch, paired", "steps to target (ratio)"]
+    header = ["variant", "final val (mean±sd)", f"Δ vs {reference}, paired", "steps to target (ratio)"]
     header += [f"{c} to target (ratio)" for c in clocks] + [f"Δ val at equal {c} time" for c in clocks]
     header += ["jump at switch", "pseudo/real step, same run", "params pseudo→real"]
     rows = []
@@ -816,8 +822,12 @@ def read_stored(out_dir: Path, regime_name: str, tag: str) -> Dict:
 
 def run_regime(regime: Regime, seeds: Sequence[int], corpus, out_dir: Path, tag: str,
                runs: Optional[List[Dict]] = None, elapsed: float = 0.0, machine: Optional[Dict] = None,
-               offload: Optional[Dict] = None) -> Dict:
-    """Train every variant (unless ``runs`` are given, from an earlier results file), then analyse and plot."""
+               offload: Optional[Dict] = None, baseline: Optional[str] = None) -> Dict:
+    """Train every variant (unless ``runs`` are given, from an earlier results file), then analyse and plot; with a
+    ``baseline`` arm, analyse again against its final loss and totals (the strong baseline)."""
+    if baseline is not None and baseline not in {arm.name for arm in regime.arms}:
+        raise SystemExit(f"--baseline: {baseline!r} is not an arm of this run; its arms: "
+                         f"{[arm.name for arm in regime.arms]}")
     path = results_file(out_dir, regime.name, tag)
     plot_path = out_dir / f"convergence_{regime.name}{tag}.png"
     started = time.perf_counter() - elapsed
@@ -842,6 +852,11 @@ def run_regime(regime: Regime, seeds: Sequence[int], corpus, out_dir: Path, tag:
         clocks["offload"] = {phase: v["step_s"] for phase, v in offload["phases"].items()}
     summary = analyse(regime, runs, clocks)
     table = print_tables(regime, summary, list(clocks), step_cost)
+    strong = None
+    if baseline is not None:
+        strong_summary = analyse(regime, runs, clocks, reference=baseline)
+        strong = {"arm": baseline, "summary": strong_summary,
+                  "table_markdown": print_tables(regime, strong_summary, list(clocks), step_cost)}
     print("pooled medians per phase: forward+backward "
           + ", ".join(f"{k} {v:.4f}s" for k, v in sorted(phase_medians(runs, "compute_s").items()))
           + "; optimizer step " + ", ".join(f"{k} {v:.4f}s" for k, v in sorted(phase_medians(runs, "optimizer_s").items())),
@@ -861,7 +876,7 @@ def run_regime(regime: Regime, seeds: Sequence[int], corpus, out_dir: Path, tag:
         "regime": asdict(regime), "seeds": list(seeds), "machine": machine,
         "elapsed_s": time.perf_counter() - started, "cost_model_step_s": step_cost, "offload_model": offload,
         "clocks": {k: ("measured" if v is None else v) for k, v in clocks.items()},
-        "summary": summary, "table_markdown": table, "runs": runs,
+        "summary": summary, "table_markdown": table, "strong_baseline": strong, "runs": runs,
     }
     write_json(path, payload)
     plot(regime, runs, {k: v for k, v in clocks.items()}, plot_path)
@@ -902,6 +917,9 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--tag", default=None,
                    help="suffix of the results files, convergence_<regime><tag>.json.gz (default '', quick '_quick')")
+    p.add_argument("--baseline", default=None,
+                   help="an arm of --arms whose final loss is also a target (a strong baseline, e.g. 'scratch budget "
+                        "500%%'): every arm's time to it over its total, and final losses paired against it")
     p.add_argument("--reanalyse", action="store_true",
                    help="no training: analyse and plot the runs stored in the results files again")
     p.add_argument("--merge", default=None,
@@ -930,9 +948,9 @@ def main(argv=None) -> int:
             stored_regime = dict(stored["regime"], arms=[Arm(**a) for a in stored["regime"]["arms"]])
             complete = [r for r in stored["runs"] if r["seed"] in stored["seeds"]]
             run_regime(Regime(**stored_regime), stored["seeds"], None, args.out, tag, complete,
-                       stored["elapsed_s"], stored["machine"], stored.get("offload_model"))
+                       stored["elapsed_s"], stored["machine"], stored.get("offload_model"), args.baseline)
         else:
-            run_regime(regime, seeds, corpus, args.out, tag)
+            run_regime(regime, seeds, corpus, args.out, tag, baseline=args.baseline)
     return 0
 
 

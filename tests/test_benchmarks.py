@@ -134,6 +134,35 @@ def test_analysis_of_synthetic_runs():
     assert by["scratch"]["steps_to_target_ratio_to_scratch"]["mean"] == pytest.approx(1.0)
 
 
+def test_analysis_against_a_strong_baseline():
+    """``reference``: the targets and ratios are a longer scratch run's. Scratch x2 ends at 0.6 after 8 real steps
+    (8 s); the arm (2 pseudo steps of 0.5 s, then 6 real ones: 7 s) reaches 0.6 at step 6 (5 s): 0.625 of the
+    baseline's cost; the regime's scratch never reaches it; the seed without a baseline run is left out."""
+    regime = convergence.Regime("t", 2, 8, 2, 4, 1, 4, 1e-3, 1, 1, 1, [
+        convergence.Arm("scratch"), convergence.Arm("scratch x2", budget=2.0),
+        convergence.Arm("p2r", "pseudo_to_real", 0.25, budget=2.0)])
+    scratch = _run("scratch", 0, [(0, 3.0), (2, 1.5), (4, 1.0)], ["real"] * 4, [1.0] * 4)
+    long = _run("scratch x2", 0, [(0, 3.0), (4, 1.0), (8, 0.6)], ["real"] * 8, [1.0] * 8)
+    arm = _run("p2r", 0, [(0, 3.0), (2, 1.4), (4, 0.8), (6, 0.6), (8, 0.5)], ["pseudo_g1"] * 2 + ["real"] * 6,
+               [0.5] * 2 + [1.0] * 6, switch=2)
+    lone = _run("scratch", 1, [(0, 3.0), (4, 1.0)], ["real"] * 4, [1.0] * 4)  # seed 1: no baseline run
+    clocks = {"cost": {"pseudo_g1": 0.5, "real": 1.0}}
+    summary = convergence.analyse(regime, [scratch, long, arm, lone], clocks, reference="scratch x2")
+    assert summary["reference"] == "scratch x2"
+    by = {e["arm"]["name"]: e for e in summary["arms"]}
+    p2r = by["p2r"]
+    assert p2r["seeds"] == [0]
+    assert p2r["steps_to_target"]["mean"] == pytest.approx(6.0)
+    assert p2r["cost_to_target"]["mean"] == pytest.approx(5.0)
+    assert p2r["cost_to_target_ratio_to_scratch"]["median_all"] == pytest.approx(5.0 / 8.0)
+    assert p2r["final_val"]["paired_minus_scratch"]["mean"] == pytest.approx(-0.1)
+    assert by["scratch"]["steps_to_target"]["missing"] == 1  # 160-step scratch never reaches the long run's loss
+    assert by["scratch x2"]["cost_to_target_ratio_to_scratch"]["mean"] == pytest.approx(1.0)
+    assert "vs_same_schedule_scratch" not in p2r and "pseudo_cost_for_half_time" not in p2r
+    table = convergence.print_tables(regime, summary, list(clocks), clocks["cost"])
+    assert "Δ vs scratch x2, paired" in table and "scratch x2's final loss" in table
+
+
 def test_the_jump_at_a_switch_is_measured_from_the_model_the_switch_replaced():
     """A growth changes the model inside the switch step, so the loss evaluated after that step is already the grown
     model's: the jump is measured from the loss evaluated as the transition was decided (1.8), not from it (2.2)."""
