@@ -104,14 +104,21 @@ def batch(step: int, tokens: int, vocab: int):
 
 
 def run_block(engine, first: int, count: int, args, parts: Dict[str, List[float]]) -> List[float]:
+    import torch
+
+    cuda = engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)  # a part's time ends when its device work does
     losses = []
     for step in range(first, first + count):
-        x, y = batch(step, args.tokens, args.vocab)
+        x, y = (t.to(engine.device) for t in batch(step, args.tokens, args.vocab))
+        sync()
         start = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
+        sync()
         middle = time.perf_counter()
         engine.step()
+        sync()
         end = time.perf_counter()
         parts["forward_backward"].append(middle - start)
         parts["step"].append(end - middle)
@@ -172,11 +179,13 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--block", type=int, default=5, help="steps per arm per round")
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads, the host step's kernel threads too (1 on the CPU: a core for each side)")
     p.add_argument("--out", type=Path, default=RESULTS / "host_step.json")
     args = p.parse_args(argv)
     if "sequential" not in args.arms:
         p.error("--arms: the sequential arm is the baseline; include it")
-    init_single_process(threads=1)
+    init_single_process(threads=args.threads)
     print(f"host step benchmark: {args.layers} layers of hidden {args.hidden} at host_params, ZeRO 2, fp32, "
           f"{args.tokens} tokens per step, gradient_clipping {args.clip}", flush=True)
     result = measure(args)

@@ -21,6 +21,10 @@
 #   convergence (part 4, only when named): the memory-bound regime of benchmarks/convergence.py trained on the device
 #     with real offload, SEEDS seeds (default 8): scratch, a pseudo phase as long as scratch's run and a 2-layer model
 #     grown to 8, with scratch on those schedules; the GPU wall clock to scratch's final loss per seed.
+#   host_step (part 6, only when named): the plan calibrated on this machine (`plan --calibrate`: host Adam's rate
+#     with the cores one of 8 ranks gets, pinned host-device bandwidth) for the M6-10T config, and
+#     benchmarks/host_step.py: the host step during the backward against after it, DeepSpeed's ZeRO-2 CPU offload
+#     and SuperOffload, on one model, losses compared (its GIL-free CPU Adam op built first, under a cap of its own).
 #   layouts (part 5, only when named): the pseudo model's tokens/s on its own layout (data parallel over every GPU)
 #     against it on the real layouts (TP = PP = the GPU count), side by side in one run on the same GPUs
 #     (benchmarks/layouts.py: Megatron-LM's pretrain_gpt.py through the drop-in, NCCL, bf16); needs 2 or more GPUs,
@@ -35,7 +39,8 @@
 #   + host_params_ckpt_ga2_skip_bf16 30 + host_params_ckpt_ga2_skip_fp16 30 + byte_model 15 + delink_on_device 75
 #   + timing 90 + delink_time 45 + nvme_offload 30 = 540
 # with CHECK_PARTS=convergence: install 60 + build_cpu_adam 75 + convergence 405 = 540; with CHECK_PARTS=layouts:
-# install 60 + build_cpu_adam 75 + layouts 300 = 435. The correctness steps run first, the timings last: a step over
+# install 60 + build_cpu_adam 75 + layouts 300 = 435; with CHECK_PARTS=host_step: install 60 + build_cpu_adam 75
+# + build_host_step_op 75 + calibrate 90 + host_step 150 = 450. The correctness steps run first, the timings last: a step over
 # its cap is killed and reported, and the steps after it keep their time. The script prints the sum for the parts
 # asked before it starts. Without CUDA only the offload exactness steps (not the fp16 one: DeepSpeed's CPU accelerator
 # refuses fp16) and the delink matrix (its fp16 cases skipped, saying so) run.
@@ -64,7 +69,7 @@ dry=0
 declare -A CAP=([install]=60 [build_cpu_adam]=75 [exactness]=30 [host_params]=30 [host_params_ckpt_ga2_skip]=30
                 [host_params_ckpt_ga2_skip_bf16]=30 [host_params_ckpt_ga2_skip_fp16]=30 [byte_model]=15
                 [delink_on_device]=75 [timing]=90 [delink_time]=45 [nvme_offload]=30 [convergence]=405
-                [layouts]=300)
+                [layouts]=300 [build_host_step_op]=75 [calibrate]=90 [host_step]=150)
 FACTOR=${CHECK_CAP_FACTOR:-1}  # a slower machine: every cap and the default budget times this
 for name in "${!CAP[@]}"; do CAP[$name]=$((CAP[$name] * FACTOR)); done
 PARTS=",${CHECK_PARTS:-offload,delink},"
@@ -79,6 +84,7 @@ want delink && steps+=(delink_on_device)
 [ "$cuda" = 1 ] && want delink && steps+=(delink_time nvme_offload)  # nvme_offload counted even where it skips
 want convergence && steps+=(convergence)
 want layouts && steps+=(layouts)  # counted even where it skips (fewer than 2 GPUs)
+want host_step && steps+=(build_host_step_op calibrate host_step)
 total=0 sum=""
 for name in "${steps[@]}"; do total=$((total + CAP[$name])); sum+="${sum:+ + }$name ${CAP[$name]}"; done
 BUDGET=${CHECK_SECONDS:-$((540 * FACTOR))}
@@ -217,6 +223,17 @@ if want layouts; then
       --vocab 32768 --micro-batch 1 --global-batch $((gpus * 8)) --iters 20 --warmup 5 --bf16 \
       --real-layout "tp=$gpus" --real-layout "pp=$gpus" --out "$OUT"
   fi
+fi
+if want host_step; then
+  # the overlapped host step's CPU Adam op (DeepSpeed's kernel, this package's GIL-free binding): built under its own
+  # cap, as CPU Adam above, so that no benchmark's cap kills its build halfway
+  step build_host_step_op "$PY" -c "from ds_pseudo_real.offload.kernel import gil_free_builder; gil_free_builder().load()" &&
+  step calibrate "$PY" -m ds_pseudo_real.plan_command --config configs/offload_m6_10t.json --world-size 512 \
+    --device-memory 32GB --calibrate --ranks-per-node 8 --calibration-out "$OUT/calibration.json" &&
+  if [ "$dry" = 1 ]; then hs=(--hidden 64 --layers 2 --vocab 64 --rounds 1 --block 2)
+  elif [ "$cuda" = 1 ]; then hs=(--hidden 2048 --layers 8 --vocab 32768 --tokens 2048 --threads 8)
+  else hs=(); fi &&
+  step host_step "$PY" benchmarks/host_step.py "${hs[@]}" --out "$OUT/host_step.json"
 fi
 if [ -n "$aio_build" ] && kill -0 "$aio_build" 2>/dev/null; then
   echo "async_io: its background build had not finished; stopped"
