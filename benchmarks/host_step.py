@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402
-    RESULTS, init_single_process, machine_description, markdown_table, median, write_json,
+    RESULTS, cuda_sync, init_single_process, machine_description, markdown_table, median, write_json,
 )
 
 ARMS = ("sequential", "overlapped", "deepspeed_zero2_offload", "superoffload")
@@ -104,21 +104,17 @@ def batch(step: int, tokens: int, vocab: int):
 
 
 def run_block(engine, first: int, count: int, args, parts: Dict[str, List[float]]) -> List[float]:
-    import torch
-
-    cuda = engine.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)  # a part's time ends when its device work does
     losses = []
     for step in range(first, first + count):
         x, y = (t.to(engine.device) for t in batch(step, args.tokens, args.vocab))
-        sync()
+        cuda_sync()  # a part's time ends when its device work does
         start = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
-        sync()
+        cuda_sync()
         middle = time.perf_counter()
         engine.step()
-        sync()
+        cuda_sync()
         end = time.perf_counter()
         parts["forward_backward"].append(middle - start)
         parts["step"].append(end - middle)
