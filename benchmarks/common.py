@@ -105,6 +105,20 @@ def cuda_sync() -> None:
         torch.cuda.synchronize()
 
 
+def timed_step(engine, x, y):
+    """One training step of ``engine`` on ``(x, y)``: (loss, forward+backward seconds, optimizer step seconds), each
+    part ending when its device work does."""
+    cuda_sync()
+    start = time.perf_counter()
+    loss = engine(x, y)
+    engine.backward(loss)
+    cuda_sync()
+    middle = time.perf_counter()
+    engine.step()
+    cuda_sync()
+    return loss, middle - start, time.perf_counter() - middle
+
+
 # ---- clocks and curves (pure) ----------------------------------------------------------------------------------
 def cumulative(values: Sequence[float]) -> List[float]:
     """Running sums: element i is the total after i + 1 steps."""

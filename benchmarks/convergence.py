@@ -386,7 +386,7 @@ def record_offload_step(records: Dict[str, Dict], phase: str, plan, moved: int, 
 def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -> Dict:
     """Train one variant for its budget of ``regime.steps`` steps; the record holds every step's phase, times and
     loss."""
-    from benchmarks.common import cuda_sync
+    from benchmarks.common import timed_step
 
     regime = arm_regime(regime, arm)
     switch = switch_step(regime, arm)
@@ -422,15 +422,7 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
         x, y = x.to(engine.device), y.to(engine.device)
         optimizer, moved_before = offload_counters(engine)
         plan = getattr(engine, "offload_plan", None)  # the controller's; a delink inside step() replaces it
-        cuda_sync()
-        start = time.perf_counter()
-        loss = engine(x, y)
-        engine.backward(loss)
-        cuda_sync()
-        middle = time.perf_counter()
-        engine.step()
-        cuda_sync()
-        end = time.perf_counter()
+        loss, forward_backward, optimizer_step = timed_step(engine, x, y)
         if optimizer is not None:
             fetched = optimizer.host_params.fetched_bytes if optimizer.host_params is not None else 0
             current = offload_counters(engine)[0] is optimizer
@@ -444,9 +436,9 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
                 switch = t["step"]
                 eval_steps |= {switch} | {switch + d for d in JUMP_OFFSETS if switch + d <= regime.steps}
         phases.append(phase)
-        compute_s.append(middle - start)
-        optimizer_s.append(end - middle)
-        step_s.append(end - start)
+        compute_s.append(forward_backward)
+        optimizer_s.append(optimizer_step)
+        step_s.append(forward_backward + optimizer_step)
         train_loss.append(float(loss.detach()))
         now = "real" if engine.stage == "real" else phase if arm.kind == "stacking" else f"pseudo_g{engine.groups}"
         if now != phase:  # after a transition: the next steps cost what the new model's do

@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402
-    RESULTS, cuda_sync, init_single_process, machine_description, markdown_table, median, write_json,
+    RESULTS, init_single_process, machine_description, markdown_table, median, timed_step, write_json,
 )
 
 ARMS = ("sequential", "overlapped", "deepspeed_zero2_offload", "superoffload")
@@ -107,17 +107,9 @@ def run_block(engine, first: int, count: int, args, parts: Dict[str, List[float]
     losses = []
     for step in range(first, first + count):
         x, y = (t.to(engine.device) for t in batch(step, args.tokens, args.vocab))
-        cuda_sync()  # a part's time ends when its device work does
-        start = time.perf_counter()
-        loss = engine(x, y)
-        engine.backward(loss)
-        cuda_sync()
-        middle = time.perf_counter()
-        engine.step()
-        cuda_sync()
-        end = time.perf_counter()
-        parts["forward_backward"].append(middle - start)
-        parts["step"].append(end - middle)
+        loss, forward_backward, optimizer_step = timed_step(engine, x, y)
+        parts["forward_backward"].append(forward_backward)
+        parts["step"].append(optimizer_step)
         losses.append(loss.item())
     return losses
 
