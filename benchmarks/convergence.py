@@ -179,6 +179,17 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
         Arm(f"stack {n_layer // 4}->{n_layer} @67% budget 300%", "stacking", 2 / 3, stack_depth=n_layer // 4,
             budget=3.0),
         Arm(f"stack {n_layer // 4}->{n_layer} @67%", "stacking", 2 / 3, stack_depth=n_layer // 4),
+        # the strong baseline: scratch on 5x the regime's steps at three peak LRs, and the arms at the same budget
+        Arm("scratch budget 500%", budget=5.0),
+        Arm("scratch budget 500% lr x0.5", budget=5.0, lr_scale=0.5),
+        Arm("scratch budget 500% lr x2", budget=5.0, lr_scale=2.0),
+        Arm("p2r@60% scale budget 500% lr x0.7", "pseudo_to_real", 0.60, budget=5.0, lr_scale=0.7),
+        Arm("p2r@80% scale budget 500% lr x0.7", "pseudo_to_real", 0.80, budget=5.0, lr_scale=0.7),
+        # growth of the shared set: one set, then two, four and the real model
+        Arm(f"p2r 1->2->4->{n_layer} @40/60/80% budget 500% lr x0.7", "progressive", 0.40,
+            stages=((2, 0.40), (4, 0.60), (n_layer, 0.80)), budget=5.0, lr_scale=0.7),
+        Arm(f"stack {n_layer // 4}->{n_layer} @60% budget 500%", "stacking", 0.60, stack_depth=n_layer // 4,
+            budget=5.0),
     ]
 
 

@@ -1,7 +1,7 @@
 """What DeepSpeed's own sections decide about the run, read once with DeepSpeed 0.19.8's rules.
 
 Owns: ``TrainingFacts`` (ZeRO stage, working dtype, data-parallel size, DeepSpeed's own offloads, model-parallel
-sizes, micro batch and gradient accumulation, fp16's loss scale) from a DeepSpeed config dict, and the refusal of
+sizes, micro batch and gradient accumulation, fp16's loss scale, gradient clipping and whether a step can be skipped) from a DeepSpeed config dict, and the refusal of
 what DeepSpeed accepts but trains wrongly. Must not validate what DeepSpeed validates itself, nor read the plugin's
 sections.
 """
@@ -44,11 +44,16 @@ class TrainingFacts:
     zero_optimization: Mapping[str, Any] = field(default_factory=dict)
     batch: Mapping[str, Any] = field(default_factory=dict)  # the given ones of BATCH_KEYS
     loss_scale: float = 0.0  # fp16.loss_scale as given: 0 is dynamic loss scaling (DeepSpeed's default)
+    gradient_clipping: float = 0.0  # as given: 0 is none
+    # DeepSpeed skips a step on an inf or NaN gradient: fp16, and bf16 with bf16.check_grad_overflow (default true;
+    # read at ZeRO 1/2, ``engine._configure_zero_optimizer``)
+    skips_overflowed_steps: bool = False
 
     @classmethod
     def from_deepspeed(cls, ds_config: Mapping[str, Any], data_parallel_size: int) -> "TrainingFacts":
         zero = ds_config.get("zero_optimization") or {}
-        bf16 = (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled")  # DeepSpeed takes both
+        bf16_section = ds_config.get("bf16") or ds_config.get("bfloat16") or {}  # DeepSpeed takes both
+        bf16 = bf16_section.get("enabled")
         dtype = "bf16" if bf16 else "fp16" if (ds_config.get("fp16") or {}).get("enabled") else "fp32"
         offloads = {key: zero[key] for key in OFFLOAD_KEYS if zero.get(key) and (
             zero[key].get("device", "none") if isinstance(zero[key], Mapping) else zero[key]) != "none"}
@@ -62,6 +67,9 @@ class TrainingFacts:
             zero_optimization=_read_only(zero),
             batch=_read_only({key: ds_config[key] for key in BATCH_KEYS if ds_config.get(key) is not None}),
             loss_scale=(ds_config.get("fp16") or {}).get("loss_scale", 0.0),
+            gradient_clipping=ds_config.get("gradient_clipping") or 0.0,
+            skips_overflowed_steps=dtype == "fp16" or (dtype == "bf16" and zero.get("stage", 0) in (1, 2)
+                                                       and bool(bf16_section.get("check_grad_overflow", True))),
         )
 
     def refuse_unscaled_fp16(self) -> None:

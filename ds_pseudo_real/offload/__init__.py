@@ -274,6 +274,8 @@ def attach_to_engine(engine) -> None:
         optimizer.ahead.boundary = engine.is_gradient_accumulation_boundary
         optimizer.ahead.loss_scale = lambda: ds_state.current_loss_scale(engine)
         optimizer.ahead.keep_backups = optimizer.clip_grad > 0.0 or ds_state.may_skip_steps(engine)
+        if optimizer.ahead.keep_backups:
+            optimizer.ahead.reserve_backups(optimizer.own_param_groups)
 
 
 def describe_offload_plan(plan: Optional[OffloadPlan]) -> str:

@@ -138,6 +138,20 @@ class HostStepAhead:
             pairs.append((tensor, copy))
         self._backups[p] = _Backup(state["step"], pairs)
 
+    def reserve_backups(self, groups: List[Dict[str, Any]]) -> None:
+        """Allocate the backup buffers of ``groups`` now (the plan counts them, ``planner.backup_buffers``): a host
+        short of memory refuses at the start, not at the first step ahead."""
+        for group in groups:
+            for p in group["params"]:
+                host = self.host_params.host_tensor(p)
+                kinds = ["master", "exp_avg", "exp_avg_sq"] + (["host"] if host.dtype != torch.float32 else [])
+                for kind in kinds:
+                    self._copy_buffer(group, p, kind, host.dtype if kind == "host" else torch.float32)
+
+    def backup_bytes(self, group: Dict[str, Any]) -> int:
+        """Host bytes of ``group``'s backup buffers."""
+        return sum(t.numel() * t.element_size() for (key, _), t in self._copies.items() if key == id(group))
+
     def _copy_buffer(self, group: Dict[str, Any], p: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
         """p's range of the group's flat backup buffer of ``kind`` (one host allocation per group and kind)."""
         flat = self._copies.get((id(group), kind))

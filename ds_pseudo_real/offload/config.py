@@ -184,7 +184,9 @@ def training_setup(section: GranularOffloadConfig, training: TrainingFacts, num_
             stream_pool_bytes=STREAM_POOL_BYTES if cuda else 0, pinned_host=cuda and section.pin_memory,
             pageable_copies=cuda and not section.pin_memory,
             host_memory_bytes=section.host_memory, pcie_bytes_per_s=section.pcie_gb_per_s * 1e9,
-            cpu_adam_params_per_s=section.cpu_adam_params_per_s, gradient_accumulation_steps=accumulation)
+            cpu_adam_params_per_s=section.cpu_adam_params_per_s, gradient_accumulation_steps=accumulation,
+            host_step_backups=section.host_step == "overlapped" and (
+                training.gradient_clipping > 0 or training.skips_overflowed_steps))
     except PlanError as error:
         raise ConfigError(f"invalid config:\n  {error}") from None
 

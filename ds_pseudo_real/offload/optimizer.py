@@ -317,8 +317,8 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
 
     def held_bytes(self) -> Dict[str, int]:
         """Bytes this optimizer holds now: ``device`` (moments of device groups) and ``host`` (host masters, gradient
-        buffers, staging buffers for later micro-batches and moments of host groups; at host_params the master is
-        the host params, counted here)."""
+        buffers, staging buffers for later micro-batches, moments of host groups and the overlapped host step's
+        backups; at host_params the master is the host params, counted here)."""
         by_group = self.held_bytes_by_group().values()
         return {where: sum(held[where] for held in by_group) for where in ("device", "host")}
 
@@ -339,4 +339,6 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                         if tensor is not None:
                             held["host"] += tensor.numel() * tensor.element_size()
             held["host"] += self.host.allocated_bytes(group, "staging")
+            if self.ahead is not None:
+                held["host"] += self.ahead.backup_bytes(group)
         return out

@@ -27,6 +27,10 @@ Byte model (per rank, written against DeepSpeed 0.19.8 ``stage_1_and_2.py`` / ``
       into the host buffer. At stage 0 (bf16) the engine
       all-reduces them, so the gradients n*w stay on the device until the step. The host holds params n*w, a
       separate fp32 master 4*n when w != 4, a gradient buffer 4*n and moments 8*n (not partitioned).
+  Backups of the host step during the backward (``host_step: "overlapped"``, where the gradients are streamed):
+      where a step may be refused (gradient clipping on, fp16, or bf16 with DeepSpeed's ``check_grad_overflow``),
+      the optimizer keeps a copy of what it steps ahead: fp32 master and moments 12*n, and the 16-bit host params
+      2*n, on the host (pageable: not registered with the device).
 
 Besides the groups, per rank (``TrainingSetup`` carries the figures; ``config.training_setup`` fills them from the
 DeepSpeed config for the accelerator the run is on):
@@ -153,6 +157,7 @@ class TrainingSetup:
     pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_PER_S
     cpu_adam_params_per_s: float = DEFAULT_CPU_ADAM_PARAMS_PER_S
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    host_step_backups: bool = False  # host_step "overlapped" where a step may be refused: copies of what it steps
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -232,6 +237,16 @@ def host_buffers(numel: int, level: PlacementLevel, setup: TrainingSetup, dp_siz
     return (numel * w,) + (FP32 * m,) * (1 + ADAM_STATES)  # fp32 ZeRO 0: the host params are the master
 
 
+def backup_buffers(numel: int, level: PlacementLevel, setup: TrainingSetup) -> Tuple[int, ...]:
+    """Bytes of each backup of one group the host step during the backward keeps (``ahead.HostStepAhead``): its fp32
+    master, the two moments and, in 16 bits, its host params; none where nothing is stepped ahead or no step can
+    be refused."""
+    if not (setup.host_step_backups and setup.streams_gradients and outside_deepspeed(level, setup)):
+        return ()
+    w = setup.working_bytes
+    return (FP32 * numel,) * (1 + ADAM_STATES) + ((numel * w,) if w != FP32 else ())
+
+
 def pinned_bytes(size: int) -> int:
     """Host bytes a pinned buffer of ``size`` takes: the whole pages it is registered in (``ds_pseudo_real.pinned``)."""
     return -(-size // PAGE_BYTES) * PAGE_BYTES
@@ -258,7 +273,7 @@ def group_bytes(numel: int, level: PlacementLevel, setup: TrainingSetup, uses: i
     grads = (m if setup.zero_stage == 2 else numel) * w
     ds_master = FP32 * m if setup.has_separate_master else 0
     moments = ADAM_STATES * FP32 * m
-    host = sum(host_buffers(numel, level, setup, dp_size))
+    host = sum(host_buffers(numel, level, setup, dp_size)) + sum(backup_buffers(numel, level, setup))
     if level is PlacementLevel.DEVICE:
         return GroupBytes(params + grads + ds_master + moments, 0, 0, moments, 0)
     if level is PlacementLevel.HOST_OPTIMIZER:
@@ -293,6 +308,7 @@ class GroupPlacement:
     level: PlacementLevel
     bytes: GroupBytes
     host_buffers: Tuple[int, ...] = ()
+    backup_buffers: Tuple[int, ...] = ()  # pageable, also in ``bytes.host``
     flat_gradient_bytes: int = 0  # DeepSpeed's step temporaries for this group (0 outside its groups)
     accumulated_gradient_bytes: int = 0  # DeepSpeed's, during later micro-batches (0 outside its groups)
 
@@ -302,7 +318,7 @@ def _placement(group: GroupSize, level: PlacementLevel, setup: TrainingSetup) ->
     inside = not outside_deepspeed(level, setup)
     return GroupPlacement(
         group, level, group_bytes(group.numel, level, setup, group.uses, group.dp_size),
-        host_buffers(group.numel, level, setup, group.dp_size),
+        host_buffers(group.numel, level, setup, group.dp_size), backup_buffers(group.numel, level, setup),
         flat_gradient_bytes(group.numel, setup, group.dp_size) if inside else 0,
         accumulated_gradient_bytes(group.numel, setup, group.dp_size) if inside else 0)
 
@@ -385,7 +401,12 @@ class OffloadPlan:
         """Host memory per rank: ``host_bytes`` with each pinned buffer in whole pages."""
         if not self.setup.pinned_host:
             return self.host_bytes
-        return sum(pinned_bytes(size) for p in self.placements for size in p.host_buffers)
+        return sum(pinned_bytes(size) for p in self.placements for size in p.host_buffers) + self.backup_bytes
+
+    @property
+    def backup_bytes(self) -> int:
+        """Host bytes of the host step's backups (:func:`backup_buffers`), within ``host_bytes``."""
+        return sum(sum(p.backup_buffers) for p in self.placements)
 
     @property
     def host_stepped_numel(self) -> int:
@@ -620,6 +641,7 @@ def describe_plan(plan: OffloadPlan) -> str:
     lines = [head] + ["  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows]
     counts = {lvl.value: sum(p.level is lvl for p in plan.placements) for lvl in LEVEL_ORDER}
     rounding = plan.host_allocated_bytes - plan.host_bytes
+    backups = plan.backup_bytes
     lines += [
         f"groups per level: {counts}; device total {format_bytes(plan.device_bytes)} ({plan.device_bytes} B) "
         f"(reserved {format_bytes(s.reserved_bytes)}, {plan.side_streams} side stream pools "
@@ -631,6 +653,7 @@ def describe_plan(plan: OffloadPlan) -> str:
         + f"; step: flat gradients {format_bytes(plan.flat_gradient_bytes)})",
         f"host per rank {format_bytes(plan.host_allocated_bytes)} ({plan.host_allocated_bytes} B): tensors "
         f"{format_bytes(plan.host_bytes)}"
+        + (f" (the overlapped host step's backups {format_bytes(backups)}: a step may be refused)" if backups else "")
         + (f", pinned in whole pages +{format_bytes(rounding)} (+{100 * rounding / plan.host_bytes:.2f} %)"
            if plan.host_bytes and s.pinned_host else "")
         + ("" if s.host_memory_bytes is None else f"; host_memory {format_bytes(s.host_memory_bytes)}"),

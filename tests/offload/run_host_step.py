@@ -1,6 +1,7 @@
 """Train TinyLM with granular offload's host step after the backward (``sequential``) and during it
 (``overlapped``), and print one JSON line per case: both runs' losses and whether their weights are equal, what the
-overlapped run stepped ahead, redid and undid, and a resume of the overlapped run from a checkpoint.
+overlapped run stepped ahead, redid and undid, the host bytes each run's optimizer held against its plan's, and a
+resume of the overlapped run from a checkpoint.
 
 Usage (1 rank with RANK/WORLD_SIZE/... set, or under torchrun): run_host_step.py CASE [CASE ...]
 CASE = STAGE:DTYPE:LEVELS[:GA][@clipC][/sliceN]: ZeRO STAGE, DTYPE fp32/bf16/fp16, LEVELS one letter per layer then
@@ -40,9 +41,10 @@ def build(case, host_step, world_size):
     config["gradient_accumulation_steps"] = ga
     config["granular_offload"] = {"levels": letter_levels(letters, 1), "host_step": host_step}
     model = make_model(None)
-    optimizer, patched, _ = build_offload_optimizer(model, config, "layers", world_size)
+    optimizer, patched, plan = build_offload_optimizer(model, config, "layers", world_size)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
     attach_to_engine(engine)
+    optimizer.plan = plan
     return engine, optimizer
 
 
@@ -66,6 +68,7 @@ def run_case(case, rank, world_size, checkpoint_dir):
     runs = {}
     for host_step in ("sequential", "overlapped"):
         engine, optimizer = build(case, host_step, world_size)
+        held = {"built": optimizer.held_bytes()["host"]}  # before any step: the backups are there from the start
         losses = train(engine, rank, 0, SAVE_AFTER, fp16)
         if host_step == "overlapped":
             path = os.path.join(checkpoint_dir, case.replace(":", "_").replace("/", "_"))
@@ -73,7 +76,9 @@ def run_case(case, rank, world_size, checkpoint_dir):
         losses += train(engine, rank, SAVE_AFTER, STEPS - SAVE_AFTER, fp16)
         stats = ({k: getattr(optimizer.ahead, k) for k in ("stepped_ahead", "redone", "undone", "held")}
                  if optimizer.ahead is not None else None)
-        runs[host_step] = {"losses": losses, "params": flat_params(engine), "ahead": stats,
+        held["trained"] = optimizer.held_bytes()["host"]
+        held["plan"], held["plan_backups"] = optimizer.plan.optimizer_host_bytes, optimizer.plan.backup_bytes
+        runs[host_step] = {"losses": losses, "params": flat_params(engine), "ahead": stats, "held": held,
                            "own_groups": [g["placement"] for g in optimizer.own_param_groups]}
         engine.destroy()
         optimizer.remove_hooks()
@@ -89,6 +94,8 @@ def run_case(case, rank, world_size, checkpoint_dir):
         "params_equal": bool(torch.equal(seq["params"], over["params"])),
         "resumed": resumed, "resumed_params_equal": bool(torch.equal(seq["params"], resumed_params)),
         "ahead": over["ahead"], "own_groups": over["own_groups"],
+        "held": {"sequential": seq["held"], "overlapped": over["held"]},
+        "own_numel": sum(p.numel() for g in optimizer.own_param_groups for p in g["params"]),
     }
 
 

@@ -364,3 +364,18 @@ def test_plan_command_models_gradient_accumulation(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["plan", "--config", str(path), "--gradient-accumulation", "0"])
     assert "argument --gradient-accumulation: expected an integer >= 1, got '0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ds_config, backups", [
+    ({"zero_optimization": {"stage": 2}}, False),  # fp32, no clipping: the assumed factor is the factor
+    ({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}, True),
+    ({"zero_optimization": {"stage": 1}, "fp16": {"enabled": True}}, True),
+    ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, True),  # check_grad_overflow defaults to true
+    ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True, "check_grad_overflow": False}}, False),
+])
+def test_the_overlapped_steps_backups_are_planned_where_a_step_may_be_refused(ds_config, backups):
+    overlapped = parse_granular_offload({"granular_offload": {"levels": ["host_params"] * 4,
+                                                              "host_step": "overlapped"}})
+    sequential = parse_granular_offload({"granular_offload": {"levels": ["host_params"] * 4}})
+    assert setup_for(ds_config, overlapped, 1, 4, "cpu").host_step_backups is backups
+    assert setup_for(ds_config, sequential, 1, 4, "cpu").host_step_backups is False

@@ -86,6 +86,25 @@ def test_overlapped_equals_sequential_on_one_rank(one_rank, case):
         assert ahead["redone"] == ahead["undone"] == ahead["held"] == 0
 
 
+@pytest.mark.parametrize("case", ONE_RANK)
+def test_the_plan_counts_the_backups_of_the_overlapped_step(one_rank, case):
+    """Where a step may be refused (clipping, fp16, bf16's overflow check) the overlapped step keeps copies of what it
+    steps ahead: 12 bytes a parameter of the own groups in fp32 (master and moments), 14 in 16 bits (and the host
+    params). The plan counts them, and the optimizer holds them from the start."""
+    result = one_rank[case]
+    dtype, clipped = case.split(":")[1], "@clip" in case
+    per_param = (12 if dtype == "fp32" else 14) if (clipped or dtype != "fp32") else 0
+    backups = per_param * result["own_numel"]
+    sequential, overlapped = result["held"]["sequential"], result["held"]["overlapped"]
+    assert (sequential["plan_backups"], overlapped["plan_backups"]) == (0, backups)
+    assert overlapped["plan"] - sequential["plan"] == backups
+    for held in (sequential, overlapped):
+        assert held["trained"] == held["plan"]
+    assert overlapped["built"] - sequential["built"] == backups
+    if case in ("2:fp32:pdpdd@clip1", "2:fp16:pdpdd"):
+        assert backups > 0  # the cases that keep backups do have own groups
+
+
 @pytest.mark.parametrize("case", TWO_RANKS)
 def test_overlapped_equals_sequential_on_two_ranks(two_ranks, case):
     results_ = two_ranks[case]

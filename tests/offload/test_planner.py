@@ -343,3 +343,21 @@ def test_streamed_gradients_with_accumulation_need_a_staging_buffer_on_the_host(
     assert host_buffers(1000, L.HOST_PARAMS, four) == (4000,) * 5
     zero0 = TrainingSetup("bf16", 0, 1, gradient_accumulation_steps=4)  # accumulated on the device: no staging
     assert host_buffers(1000, L.HOST_PARAMS, zero0) == (2000,) + (4000,) * 4
+
+
+def test_the_overlapped_steps_backups_are_host_bytes_of_host_params_groups_outside_deepspeed():
+    groups = [GroupSize("layer0", 1000, 0), GroupSize("layer1", 1000, 1)]
+    levels = {"layer0": L.HOST_PARAMS, "layer1": L.HOST_OPTIMIZER}
+    for dtype, per_param in (("fp32", 12), ("bf16", 14), ("fp16", 14)):  # master + moments (+ 16-bit host params)
+        plain, kept = (place(groups, levels, TrainingSetup(dtype, 2, 1, host_step_backups=b)) for b in (False, True))
+        assert kept.backup_bytes == per_param * 1000 and plain.backup_bytes == 0
+        assert kept.host_bytes - plain.host_bytes == per_param * 1000
+        assert kept.optimizer_host_bytes - plain.optimizer_host_bytes == per_param * 1000
+        assert "the overlapped host step's backups" in describe_plan(kept)
+        assert "backups" not in describe_plan(plain)
+    # pageable: not rounded to pages where the other host buffers are pinned
+    pinned = place(groups, levels, TrainingSetup("bf16", 2, 1, pinned_host=True, host_step_backups=True))
+    unrounded = place(groups, levels, TrainingSetup("bf16", 2, 1, pinned_host=True))
+    assert pinned.host_allocated_bytes - unrounded.host_allocated_bytes == 14 * 1000
+    # ZeRO 0 keeps the gradients on the device until the step: nothing is stepped ahead, nothing backed up
+    assert place(groups, levels, TrainingSetup("bf16", 0, 1, host_step_backups=True)).backup_bytes == 0
