@@ -43,6 +43,27 @@ def init_single_process(threads: Optional[int] = None) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
+# glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit hosts
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX = -1, -3, 32 * 2**20
+
+
+def keep_freed_blocks() -> bool:
+    """Make the CPU, standing in for the device, keep the memory freed tensors give back, as CUDA's caching allocator
+    keeps freed device blocks: glibc malloc serves blocks under 32 MiB from its heap and never trims it. Without
+    this, every tensor of a few MiB (a fetched layer's parameters, a fresh weight gradient) is a new ``mmap`` whose
+    pages fault in on first write: measured here, refilling two released 4 MiB buffers took 4.3 ms against 0.16 ms
+    for the copies alone. Returns False where the C library is not glibc (nothing changed)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
 def machine_description() -> Dict[str, object]:
     """What the figures were measured on (they are ratios from one run: the machine matters, not the absolute)."""
     import torch

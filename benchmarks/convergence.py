@@ -70,6 +70,10 @@ class Arm:
     budget: float = 1.0  # the fraction of the regime's steps this arm trains, its LR schedule fitted to them
     lr_scale: float = 1.0  # this arm's peak LR over the regime's: is the scratch baseline's LR a fair one?
     pseudo_lr_scale: float = 1.0  # pseudo_to_real.pseudo_lr_scale: the LR before the real model, over the arm's
+    # memory_bound: granular_offload.host_step at a fixed placement (ZeRO 1, every layer at host_params) instead of
+    # the regime's planned one; None: the regime's
+    host_step: Optional[str] = None
+    delayed_from_step: int = 40  # granular_offload.delayed_from_step, with host_step "delayed"
 
 
 @dataclass
@@ -190,6 +194,12 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
             stages=((2, 0.40), (4, 0.60), (n_layer, 0.80)), budget=5.0, lr_scale=0.7),
         Arm(f"stack {n_layer // 4}->{n_layer} @60% budget 500%", "stacking", 0.60, stack_depth=n_layer // 4,
             budget=5.0),
+        # the host step one step late against the exact one, at one placement (memory_bound; ``Arm.host_step``)
+        Arm("scratch host_params sequential", host_step="sequential"),
+        Arm("scratch host_params delayed", host_step="delayed"),
+        Arm("scratch host_params delayed from 0", host_step="delayed", delayed_from_step=0),
+        Arm("p2r@25% scale host_params sequential", "pseudo_to_real", 0.25, host_step="sequential"),
+        Arm("p2r@25% scale host_params delayed", "pseudo_to_real", 0.25, host_step="delayed"),
     ]
 
 
@@ -258,10 +268,12 @@ def offload_budget(regime: Regime) -> Dict[str, int]:
 
 
 # ---- one run -------------------------------------------------------------------------------------------------
-def ds_config(regime: Regime, pseudo_to_real: Dict) -> Dict:
+def ds_config(regime: Regime, pseudo_to_real: Dict, arm: Optional["Arm"] = None) -> Dict:
     """The DeepSpeed config of every run of ``regime``. With a device budget (memory_bound) it has a
     ``granular_offload`` section, and every group of every variant, resident or offloaded, is stepped by DeepSpeed's
-    CPU Adam kernel (the device being the CPU); without one, torch AdamW steps the whole model."""
+    CPU Adam kernel (the device being the CPU); without one, torch AdamW steps the whole model. An arm with a
+    ``host_step`` trains at ZeRO 1 with every layer (its experts included) at host_params: the layers the offload
+    steps itself, where the host step's mode matters."""
     adamw = {"lr": regime.lr, "betas": [0.9, 0.95], "weight_decay": 0.01}
     config = {
         "train_micro_batch_size_per_gpu": regime.batch_size,
@@ -274,7 +286,14 @@ def ds_config(regime: Regime, pseudo_to_real: Dict) -> Dict:
         "zero_optimization": {"stage": 0},
         "pseudo_to_real": pseudo_to_real,
     }
-    if "budget_bytes" in regime.offload:
+    if "budget_bytes" in regime.offload and arm is not None and arm.host_step is not None:
+        levels = {str(i): "host_params" for i in range(regime.n_layer)}  # a layer's experts are in its group
+        config["zero_optimization"] = {"stage": 1}
+        config["granular_offload"] = {"levels": {**levels, "other": "device"}, "host_step": arm.host_step,
+                                      "activation_bytes": regime.offload["activation_bytes"]}
+        if arm.host_step == "delayed":
+            config["granular_offload"]["delayed_from_step"] = arm.delayed_from_step
+    elif "budget_bytes" in regime.offload:
         config["granular_offload"] = {"device_memory": regime.offload["budget_bytes"],
                                       "activation_bytes": regime.offload["activation_bytes"]}
     return config
@@ -305,7 +324,7 @@ def progressive_ptr(regime: Regime, arm: "Arm") -> Dict:
     return {"layers": "layers", "schedule": schedule, "optimizer_state": arm.optimizer_state}
 
 
-def build_engine(regime: Regime, n_layer: int, seed: Optional[int], ptr: Dict):
+def build_engine(regime: Regime, n_layer: int, seed: Optional[int], ptr: Dict, arm: Optional["Arm"] = None):
     import torch
 
     import ds_pseudo_real
@@ -314,7 +333,7 @@ def build_engine(regime: Regime, n_layer: int, seed: Optional[int], ptr: Dict):
     if seed is not None:
         torch.manual_seed(seed)
     model = build_gpt(n_layer, regime.d_model, regime.n_head, regime.seq_len, regime.moe)
-    engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=ds_config(regime, ptr))
+    engine, _, _, _ = ds_pseudo_real.initialize(model=model, config=ds_config(regime, ptr, arm))
     return engine
 
 
@@ -340,15 +359,20 @@ def evaluate(engine, corpus, regime: Regime) -> float:
 
 class BeforeTransition(TrainingCallback):
     """Evaluates the model a transition is about to replace, once a trigger has decided it (the transition runs
-    right after the callbacks, inside ``engine.step()``): ``evaluated`` [(step, val loss)]."""
+    right after the callbacks, inside ``engine.step()``): ``evaluated`` [(step, val loss)]; ``fetched_bytes``: the
+    host_params fetches of those evaluations (not the step's)."""
 
     def __init__(self, engine, corpus, regime: Regime):
         self.engine, self.corpus, self.regime = engine, corpus, regime
         self.evaluated: List[Tuple[int, float]] = []
+        self.fetched_bytes = 0
 
     def on_step_end(self, state, control) -> None:
         if control.should_delink and state.stage == PSEUDO:
+            store = getattr(offload_counters(self.engine)[0], "host_params", None)
+            before = store.fetched_bytes if store is not None else 0
             self.evaluated.append((state.global_step, evaluate(self.engine, self.corpus, self.regime)))
+            self.fetched_bytes += (store.fetched_bytes if store is not None else 0) - before
 
 
 def unique_numel(module) -> int:
@@ -402,10 +426,10 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
     regime = arm_regime(regime, arm)
     switch = switch_step(regime, arm)
     if arm.kind == "stacking":
-        engine = build_engine(regime, regime.n_layer, seed, stacking_ptr(arm, switch))
+        engine = build_engine(regime, regime.n_layer, seed, stacking_ptr(arm, switch), arm)
         first_phase = f"shallow{arm.stack_depth}"
     elif arm.kind == "progressive":
-        engine = build_engine(regime, regime.n_layer, seed, progressive_ptr(regime, arm))
+        engine = build_engine(regime, regime.n_layer, seed, progressive_ptr(regime, arm), arm)
         first_phase = f"pseudo_g{arm.groups}"
     else:
         trigger = ({"on_plateau": {"metric": "train_loss", "window": arm.plateau[0],
@@ -415,8 +439,10 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
                "switch": trigger, "optimizer_state": arm.optimizer_state,
                "delink_noise": arm.delink_noise, "rewarmup_steps": arm.rewarmup_steps,
                "pseudo_lr_scale": arm.pseudo_lr_scale}
-        engine = build_engine(regime, regime.n_layer, seed, ptr)
+        engine = build_engine(regime, regime.n_layer, seed, ptr, arm)
         first_phase = f"pseudo_g{arm.groups}" if arm.kind == "pseudo_to_real" else "real"
+    placed = "" if arm.host_step is None else " host_params"  # its own step costs: not pooled with the regime's
+    first_phase += placed
     params = {first_phase: unique_numel(engine.module)}
     before_transition = BeforeTransition(engine, corpus, regime)
     engine.callbacks.callbacks.append(before_transition)  # after the trigger: it sees the decision
@@ -432,12 +458,14 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
         x, y = corpus.batch("train", regime.batch_size, regime.seq_len, seed=seed, step=step)
         x, y = x.to(engine.device), y.to(engine.device)
         optimizer, moved_before = offload_counters(engine)
+        evaluation_fetched = before_transition.fetched_bytes
         plan = getattr(engine, "offload_plan", None)  # the controller's; a delink inside step() replaces it
         loss, forward_backward, optimizer_step = timed_step(engine, x, y)
         if optimizer is not None:
             fetched = optimizer.host_params.fetched_bytes if optimizer.host_params is not None else 0
             current = offload_counters(engine)[0] is optimizer
-            record_offload_step(offload, phase, plan, optimizer.moved_bytes + fetched - moved_before,
+            evaluation_fetched = before_transition.fetched_bytes - evaluation_fetched
+            record_offload_step(offload, phase, plan, optimizer.moved_bytes + fetched - moved_before - evaluation_fetched,
                                 optimizer.held_bytes() if current else None)
         if engine.last_transition is not None and transition is None:
             t = engine.last_transition
@@ -451,7 +479,8 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
         optimizer_s.append(optimizer_step)
         step_s.append(forward_backward + optimizer_step)
         train_loss.append(float(loss.detach()))
-        now = "real" if engine.stage == "real" else phase if arm.kind == "stacking" else f"pseudo_g{engine.groups}"
+        now = ("real" + placed if engine.stage == "real" else phase if arm.kind == "stacking"
+               else f"pseudo_g{engine.groups}" + placed)
         if now != phase:  # after a transition: the next steps cost what the new model's do
             phase = now
             params[phase] = unique_numel(engine.module)

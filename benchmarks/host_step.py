@@ -1,6 +1,7 @@
 """The host step off the critical path, measured on the CPU: step time of granular offload's host step after the
-backward (``sequential``) and during it (``overlapped``), beside DeepSpeed's own ZeRO-2 CPU offload and SuperOffload,
-on one model and the same batches, with the losses compared.
+backward (``sequential``), during it (``overlapped``) and one step late, during the next forward and backward
+(``delayed``: a change of the math, so its losses differ), beside DeepSpeed's own ZeRO-2 CPU offload and
+SuperOffload, on one model and the same batches, with the losses compared.
 
 On a CPU the "device" work (forward, backward, the copies of host_params layers) and the host step share the
 machine, so the comparison is honest only when each gets a core of its own: the training thread runs torch with one
@@ -10,7 +11,9 @@ gradient clipping off (``--clip`` on: the groups stepped ahead keep backups, and
 The balanced case is the one where the sequential arm's forward+backward and its step take about as long
 (``--tokens`` sets the batch; the table prints both parts). The arms are timed interleaved, a block of steps each,
 round after round, so the machine's noise falls on all of them; the ratio is the median block time over the
-sequential arm's.
+sequential arm's. On the CPU the allocator keeps freed blocks, as CUDA's caching allocator does
+(``common.keep_freed_blocks``; ``--host-allocator system`` leaves glibc's default, under which every fetch of a
+released layer and every fresh weight gradient faults its pages in again, and the forward+backward is mostly that).
 
     OMP_NUM_THREADS=1 python benchmarks/host_step.py      # ~3 min on 2 cores; writes results/host_step.json
 """
@@ -28,10 +31,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402
-    RESULTS, init_single_process, machine_description, markdown_table, median, timed_step, write_json,
+    RESULTS, init_single_process, keep_freed_blocks, machine_description, markdown_table, median, timed_step, write_json,
 )
 
-ARMS = ("sequential", "overlapped", "deepspeed_zero2_offload", "superoffload")
+ARMS = ("sequential", "overlapped", "delayed", "deepspeed_zero2_offload", "superoffload")
+OFFLOAD_ARMS = ("sequential", "overlapped", "delayed")  # granular offload's host_step values
 
 
 def make_model(d: int, layers: int, vocab: int):
@@ -80,9 +84,11 @@ def build(arm: str, args):
 
     model = make_model(args.hidden, args.layers, args.vocab)
     config = base_config(args)
-    if arm in ("sequential", "overlapped"):
+    if arm in OFFLOAD_ARMS:
         config["granular_offload"] = {"levels": {**{str(i): "host_params" for i in range(args.layers)},
                                                  "other": "device"}, "host_step": arm}
+        if arm == "delayed":
+            config["granular_offload"]["delayed_from_step"] = 0
         optimizer, patched, _ = build_offload_optimizer(model, config, "layers", 1)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
         attach_to_engine(engine)
@@ -138,13 +144,14 @@ def measure(args) -> Dict:
     skip = args.warmup * args.block
     rows = {}
     for arm, (engine, optimizer) in engines.items():
-        ahead = getattr(optimizer, "ahead", None)
+        ahead, late = getattr(optimizer, "ahead", None), getattr(optimizer, "delayed", None)
         rows[arm] = {
             "step_seconds": median(blocks[arm]),
             "forward_backward_seconds": median(parts[arm]["forward_backward"][skip:]),
             "optimizer_step_seconds": median(parts[arm]["step"][skip:]),
             "losses": losses[arm],
             "stepped_ahead": ahead.stepped_ahead if ahead else None,
+            "steps_delayed": late.delayed if late else None,
             "redone": ahead.redone if ahead else None,
             "held": ahead.held if ahead else None,
         }
@@ -169,19 +176,28 @@ def main(argv=None) -> int:
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads, the host step's kernel threads too (1 on the CPU: a core for each side)")
+    p.add_argument("--host-allocator", choices=("caching", "system"), default="caching",
+                   help="on the CPU: keep freed blocks as CUDA's caching allocator does (default), or glibc's default")
     p.add_argument("--out", type=Path, default=RESULTS / "host_step.json")
     args = p.parse_args(argv)
     if "sequential" not in args.arms:
         p.error("--arms: the sequential arm is the baseline; include it")
     init_single_process(threads=args.threads)
+    import torch
+
+    caching = args.host_allocator == "caching" and not torch.cuda.is_available() and keep_freed_blocks()
+    print(f"host allocator: {'freed blocks kept (as a caching allocator)' if caching else 'the system default'}",
+          flush=True)
     print(f"host step benchmark: {args.layers} layers of hidden {args.hidden} at host_params, ZeRO 2, fp32, "
           f"{args.tokens} tokens per step, gradient_clipping {args.clip}", flush=True)
     result = measure(args)
     table = markdown_table(
-        ["arm", "ms/step", "ratio", "forward+backward ms", "optimizer step ms", "losses equal", "stepped ahead"],
+        ["arm", "ms/step", "ratio", "forward+backward ms", "optimizer step ms", "losses equal",
+         "stepped ahead / late"],
         [[arm, f"{r['step_seconds'] * 1e3:.1f}", f"{r['ratio_to_sequential']:.3f}",
           f"{r['forward_backward_seconds'] * 1e3:.1f}", f"{r['optimizer_step_seconds'] * 1e3:.1f}",
           "yes" if r["losses_equal_to_sequential"] else f"no (max {r['max_loss_difference']:.2g})",
+          f"{r['steps_delayed']} steps late" if r["steps_delayed"] is not None else
           "-" if r["stepped_ahead"] is None else f"{r['stepped_ahead']} (redone {r['redone']}, steps held {r['held']})"]
          for arm, r in result["rows"].items()])
     print(table)
@@ -190,6 +206,7 @@ def main(argv=None) -> int:
     for row in result["rows"].values():
         row["losses"] = [round(x, 6) for x in row["losses"][-5:]]  # the last few; equality is recorded above
     write_json(args.out, {"args": vars(args) | {"out": str(args.out)}, "machine": machine_description(),
+                          "host_allocator_keeps_freed_blocks": caching,
                           "median_note": "block times: median over rounds; parts: median over steps", **result})
     print(f"wrote {args.out}")
     return 0

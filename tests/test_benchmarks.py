@@ -520,9 +520,10 @@ def test_the_layouts_benchmark_reads_each_pass_of_its_run():
 
 @pytest.mark.parametrize("clip", [0.0, 1e-6], ids=["no_clipping", "clipping_every_step"])
 def test_the_host_step_benchmark_compares_arms_on_the_same_losses(tmp_path, clip):
-    """A tiny run of benchmarks/host_step.py: both granular arms give the same losses; without clipping every own
-    group after the first step is stepped during the backward, with a norm that clips every step the first step
-    ahead is redone and the later ones are held sequential."""
+    """A tiny run of benchmarks/host_step.py: the sequential and overlapped arms give the same losses; without
+    clipping every own group after the first step is stepped during the backward, with a norm that clips every step
+    the first step ahead is redone and the later ones are held sequential. The delayed arm steps every step late,
+    and its losses differ."""
     import os
     import subprocess
 
@@ -532,13 +533,16 @@ def test_the_host_step_benchmark_compares_arms_on_the_same_losses(tmp_path, clip
         env.pop(key, None)
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_step.py"), "--hidden", "64", "--layers",
                            "2", "--vocab", "64", "--rounds", "2", "--block", "2", "--clip", str(clip), "--arms",
-                           "sequential", "overlapped", "--out", str(out)], env=env, cwd=REPO, capture_output=True,
+                           "sequential", "overlapped", "delayed", "--out", str(out)], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert rows["overlapped"]["losses"] == rows["sequential"]["losses"]
     assert rows["overlapped"]["losses_equal_to_sequential"]
-    overlapped = rows["overlapped"]
+    overlapped, delayed = rows["overlapped"], rows["delayed"]
+    assert delayed["steps_delayed"] == (1 + 2) * 2  # every step of (warm-up + 2 rounds) x 2-step blocks
+    assert not delayed["losses_equal_to_sequential"] and delayed["max_loss_difference"] > 0
+    assert overlapped["steps_delayed"] is None
     if clip:
         assert overlapped["redone"] == overlapped["stepped_ahead"] > 0 and overlapped["held"] > 0
     else:

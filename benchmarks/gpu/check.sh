@@ -23,8 +23,9 @@
 #     grown to 8, with scratch on those schedules; the GPU wall clock to scratch's final loss per seed.
 #   host_step (part 6, only when named): the plan calibrated on this machine (`plan --calibrate`: host Adam's rate
 #     with the cores one of 8 ranks gets, pinned host-device bandwidth) for the M6-10T config, and
-#     benchmarks/host_step.py: the host step during the backward against after it, DeepSpeed's ZeRO-2 CPU offload
-#     and SuperOffload, on one model, losses compared (its GIL-free CPU Adam op built first, under a cap of its own).
+#     benchmarks/host_step.py: the host step during the backward and one step late against after it, DeepSpeed's
+#     ZeRO-2 CPU offload and SuperOffload, on one model, losses compared (its GIL-free CPU Adam op built first, under
+#     a cap of its own).
 #   layouts (part 5, only when named): the pseudo model's tokens/s on its own layout (data parallel over every GPU)
 #     against it on the real layouts (TP = PP = the GPU count), side by side in one run on the same GPUs
 #     (benchmarks/layouts.py: Megatron-LM's pretrain_gpt.py through the drop-in, NCCL, bf16); needs 2 or more GPUs,

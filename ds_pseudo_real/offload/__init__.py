@@ -229,7 +229,13 @@ def offload_optimizer(model: nn.Module, section: GranularOffloadConfig, training
     clip_grad = float(ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
     optimizer = GranularOffloadOptimizer(kept, pin_memory=section.pin_memory, host_params=host_params,
                                          own_groups=own, stream_gradients=plan.setup.streams_gradients,
-                                         clip_grad=clip_grad, device=device, host_step=section.host_step, **adam)
+                                         clip_grad=clip_grad, device=device, host_step=section.host_step,
+                                         delayed_from_step=section.delayed_from_step, **adam)
+    if section.host_step != "sequential" and not (own and plan.setup.streams_gradients):
+        from ds_pseudo_real.ranks import log_rank0
+
+        log_rank0(f"{SECTION}.host_step {section.host_step!r}: no layer here is stepped by the offload itself "
+                  f"(host_params under ZeRO 1/2), so every host step runs after the backward, as 'sequential'")
     patched = copy.deepcopy(dict(ds_config))
     patched.pop("optimizer")
     patched["zero_allow_untested_optimizer"] = True  # a client optimizer under ZeRO
@@ -276,6 +282,8 @@ def attach_to_engine(engine) -> None:
         optimizer.ahead.keep_backups = optimizer.clip_grad > 0.0 or ds_state.may_skip_steps(engine)
         if optimizer.ahead.keep_backups:
             optimizer.ahead.reserve_backups(optimizer.own_param_groups)
+    if optimizer.delayed is not None:
+        optimizer.delayed.reserve(optimizer.own_param_groups)
 
 
 def describe_offload_plan(plan: Optional[OffloadPlan]) -> str:

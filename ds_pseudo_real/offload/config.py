@@ -15,7 +15,9 @@ section asks for. Must not build models, optimizers or engines.
         "host_memory": "200GiB",          # refuse plans needing more host memory per rank (pinned: whole pages)
         "pcie_gb_per_s": 12, "cpu_adam_params_per_s": 5e8,   # the modelled step time (defaults in planner)
         "prefetch": true, "pin_memory": true,
-        "host_step": "overlapped",        # own groups stepped during the backward (default "sequential": after it)
+        "host_step": "overlapped",        # own groups stepped during the backward (default "sequential": after it;
+                                          # "delayed": during the next step's forward and backward, one step late)
+        "delayed_from_step": 40,          # host_step "delayed": the optimizer steps run sequentially first
         "model": {"num_layers": 48, "layer_params": 4200000, "expert_params": 409000000, "expert_parallel": 512,
                   "other_params": 22000000, "shared_groups": 1}  # for the plan command only (per rank)
     }
@@ -40,6 +42,9 @@ ACCELERATORS = ("cuda", "cpu")
 # zero_optimization defaults of DeepSpeed 0.19.8 (runtime/zero/config.py) that the byte model reads
 REDUCE_BUCKET_SIZE = 500_000_000
 CONTIGUOUS_GRADIENTS = True
+# granular_offload.delayed_from_step: ZeRO-Offload (Ren et al. 2021) turns its delayed update on after the first tens
+# of steps, where the gradients change fastest
+DELAYED_FROM_STEP = 40
 
 
 class ActivationEstimate(SectionModel):
@@ -84,7 +89,8 @@ class GranularOffloadConfig(SectionModel):
     cpu_adam_params_per_s: float = Field(DEFAULT_CPU_ADAM_PARAMS_PER_S, gt=0)
     prefetch: bool = True
     pin_memory: bool = True
-    host_step: Literal["sequential", "overlapped"] = "sequential"
+    host_step: Literal["sequential", "overlapped", "delayed"] = "sequential"
+    delayed_from_step: int = Field(DELAYED_FROM_STEP, ge=0)
     model: Optional[ModelSize] = None
 
     @field_validator("device_memory", "activation_bytes", "reserved", "host_memory", mode="before")
@@ -115,6 +121,9 @@ class GranularOffloadConfig(SectionModel):
             raise ValueError("give exactly one of device_memory (plan within a budget) or levels (explicit placement)")
         if self.activations is not None and self.activation_bytes is not None:
             raise ValueError("give at most one of activations (estimated) or activation_bytes (measured)")
+        if "delayed_from_step" in self.model_fields_set and self.host_step != "delayed":
+            raise ValueError(f"delayed_from_step is read with host_step 'delayed' only; got host_step "
+                             f"{self.host_step!r}")
         return self
 
 
@@ -185,7 +194,7 @@ def training_setup(section: GranularOffloadConfig, training: TrainingFacts, num_
             pageable_copies=cuda and not section.pin_memory,
             host_memory_bytes=section.host_memory, pcie_bytes_per_s=section.pcie_gb_per_s * 1e9,
             cpu_adam_params_per_s=section.cpu_adam_params_per_s, gradient_accumulation_steps=accumulation,
-            host_step_backups=section.host_step == "overlapped" and (
+            host_step=section.host_step, host_step_backups=section.host_step == "overlapped" and (
                 training.gradient_clipping > 0 or training.skips_overflowed_steps))
     except PlanError as error:
         raise ConfigError(f"invalid config:\n  {error}") from None

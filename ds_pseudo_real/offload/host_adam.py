@@ -103,6 +103,8 @@ class HostAdam:
         self.masters: Dict[torch.Tensor, torch.Tensor] = {}
         self.grad_buffers: Dict[torch.Tensor, torch.Tensor] = {}
         self._stale_masters: set = set()
+        # host_params in fp32: the master a host buffer of its own, not the host params (host_step "delayed")
+        self.separate_masters = False
         self.trace: Optional[List[Tuple[str, str]]] = None
 
     def buffer(self, p: torch.Tensor, kind: str, filled: bool = True) -> torch.Tensor:
@@ -147,12 +149,12 @@ class HostAdam:
 
     # ----- masters -------------------------------------------------------------------------------------------
     def master(self, p: torch.Tensor, level: str) -> torch.Tensor:
-        """The host fp32 master of ``p``: the host params themselves at host_params in fp32, else a host copy (of
-        the params, or of the bf16 host params)."""
+        """The host fp32 master of ``p``: the host params themselves at host_params in fp32 (unless
+        ``separate_masters``), else a host copy (of the params, or of the bf16 host params)."""
         source = p
         if level == HOST_PARAMS:
             source = self.host_params.host_tensor(p)
-            if source.dtype == torch.float32:
+            if source.dtype == torch.float32 and not self.separate_masters:
                 return source
         master = self.masters.get(p)
         if master is None:

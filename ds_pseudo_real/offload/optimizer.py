@@ -41,14 +41,15 @@ from ds_pseudo_real import ds_state
 from ds_pseudo_real.device import rank_device
 from ds_pseudo_real.offload import optimizer_state
 from ds_pseudo_real.offload.ahead import HostStepAhead, step_param
+from ds_pseudo_real.offload.delayed import SPARE_GRADIENT, DelayedHostStep
 from ds_pseudo_real.offload.gradients import OwnGradients
 from ds_pseudo_real.offload.host_adam import BATCH_NUMEL, HOST, HOST_PARAMS, HostAdam
 from ds_pseudo_real.offload.optimizer_state import OWN_GROUPS_KEY, place_state, steps_on_device
 from ds_pseudo_real.offload.planner import PlacementLevel
 
 _SCHEDULED_KEYS = ("lr", "betas")  # what LR/momentum schedulers set on param_groups: own groups follow them
-SEQUENTIAL, OVERLAPPED = "sequential", "overlapped"
-HOST_STEPS = (SEQUENTIAL, OVERLAPPED)  # granular_offload.host_step: when the own groups' host step runs
+SEQUENTIAL, OVERLAPPED, DELAYED = "sequential", "overlapped", "delayed"
+HOST_STEPS = (SEQUENTIAL, OVERLAPPED, DELAYED)  # granular_offload.host_step: when the own groups' host step runs
 
 
 def _fused_device_adam(params: List[torch.nn.Parameter], adamw_mode: bool, defaults: Dict[str, Any]):
@@ -79,7 +80,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                  pin_memory: bool = True, host_params=None, own_groups: Iterable[Dict[str, Any]] = (),
                  reduce_group=None, stream_gradients: bool = True, clip_grad: float = 0.0,
                  batch_numel: int = BATCH_NUMEL, device: Optional[torch.device] = None,
-                 host_step: str = SEQUENTIAL):
+                 host_step: str = SEQUENTIAL, delayed_from_step: int = 0):
         groups = [dict(g) for g in param_groups]
         for g in groups:
             g["level"] = PlacementLevel(g.get("level", PlacementLevel.DEVICE)).value
@@ -102,9 +103,11 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         if host_step not in HOST_STEPS:
             raise ValueError(f"host_step: got {host_step!r}; accepted: {list(HOST_STEPS)}")
         overlapped = host_step == OVERLAPPED and bool(self.own_param_groups) and stream_gradients
+        delayed = host_step == DELAYED and bool(self.own_param_groups) and stream_gradients
         self.host = HostAdam(lr, betas, eps, weight_decay, adamw_mode, bias_correction, pin_memory, host_params,
                              batch_numel, groups=self.param_groups + self.own_param_groups, device=device,
-                             without_gil=overlapped)
+                             without_gil=overlapped or delayed)
+        self.host.separate_masters = delayed
         self.own_gradients = OwnGradients(self.own_param_groups, self.host, stream_gradients)
         self.own_gradients.reduce_group = reduce_group
         self.own_gradients.moved = self._count_moved
@@ -112,6 +115,9 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         self.ahead = (HostStepAhead(self.host, host_params, self.state_of, lambda: self.param_groups[0])
                       if overlapped else None)
         self.own_gradients.ahead = self.ahead
+        # the own groups stepped one optimizer step late, during the next forward and backward (``delayed``)
+        self.delayed = (DelayedHostStep(self.host, host_params, self.state_of, delayed_from_step)
+                        if delayed else None)
         self._own_stepped = False  # this optimizer step's own-group step is done (ZeRO 1/2 call step() per group)
         self.clip_grad = clip_grad
         # set by ``ds_state.include_in_gradient_norm``: this step's (global norm, loss scale), own gradients included
@@ -230,6 +236,14 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         factor = self._gradient_factor() if factor is None else factor
         scheduled = self.param_groups[0]
         done = self.ahead.accept(factor, scheduled, self.own_param_groups) if self.ahead is not None else set()
+        if self.delayed is not None:
+            self.delayed.publish(self.own_param_groups)  # the step before's, for the next forward to fetch
+            for group in self.own_param_groups:
+                group.update({k: scheduled[k] for k in _SCHEDULED_KEYS if k in scheduled})
+            if self.delayed.delays(self._own_steps_taken()):
+                self.delayed.submit(self.own_param_groups, factor)
+                self._own_stepped = True
+                return
         for group in self.own_param_groups:
             if id(group) in done:  # stepped during the backward with this factor
                 continue
@@ -243,6 +257,10 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                 if master is not host:
                     host.copy_(master)  # bf16: round the master into the host params (no device copy)
         self._own_stepped = True
+
+    def _own_steps_taken(self) -> int:
+        first = self.own_param_groups[0]["params"][0]
+        return int(self.state_of(first).get("step", 0))
 
     def zero_gradient_step(self) -> None:
         """One step of the own groups with zero gradients: what DeepSpeed's stage-0 unfused optimizer (bf16 with a
@@ -267,7 +285,11 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         self._own_stepped = False
 
     def remove_hooks(self) -> None:
-        """Take the gradient-streaming hooks and the host-param fetch hooks off the model (before a delink)."""
+        """Take the gradient-streaming hooks and the host-param fetch hooks off the model (before a delink); a
+        delayed step in flight is published first (the delink copies the weights with their moments)."""
+        if self.delayed is not None:
+            self.delayed.publish(self.own_param_groups)
+            self.delayed.shutdown()
         self.own_gradients.remove_hooks()
         if self.host_params is not None:
             self.host_params.remove()
@@ -292,6 +314,8 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
     # ----- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """torch's state dict of ``param_groups``, plus the own groups' states and (bf16) fp32 masters in order."""
+        if self.delayed is not None:
+            self.delayed.wait()  # the masters and moments with the step in flight applied (module docstring)
         out = super().state_dict()
         if self.own_param_groups:
             out[OWN_GROUPS_KEY] = optimizer_state.own_groups_state(self)
@@ -302,7 +326,9 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         the states of the groups this plan steps on the host go straight into their host buffers (torch's
         ``Optimizer.load_state_dict`` would first move every state onto its param's device: all the state the plan
         keeps off the device, there at once), and the host masters are re-read from the params (own groups' bf16
-        masters: restored as saved)."""
+        masters, and the fp32 ones of a delayed host step: restored as saved)."""
+        if self.delayed is not None:
+            self.delayed.wait()
         optimizer_state.load_state_dict(self, state_dict, super().load_state_dict)
 
     def refresh_host_masters(self) -> None:
@@ -338,7 +364,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                     for tensor in (host, self.host.masters.get(p), self.host.grad_buffers.get(p)):
                         if tensor is not None:
                             held["host"] += tensor.numel() * tensor.element_size()
-            held["host"] += self.host.allocated_bytes(group, "staging")
+            held["host"] += self.host.allocated_bytes(group, "staging") + self.host.allocated_bytes(group, SPARE_GRADIENT)
             if self.ahead is not None:
                 held["host"] += self.ahead.backup_bytes(group)
         return out

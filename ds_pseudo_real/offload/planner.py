@@ -26,7 +26,9 @@ Byte model (per rank, written against DeepSpeed 0.19.8 ``stage_1_and_2.py`` / ``
       device but the prefetch buffer and the gradients of one layer in flight; later micro-batches add theirs
       into the host buffer. At stage 0 (bf16) the engine
       all-reduces them, so the gradients n*w stay on the device until the step. The host holds params n*w, a
-      separate fp32 master 4*n when w != 4, a gradient buffer 4*n and moments 8*n (not partitioned).
+      separate fp32 master 4*n when w != 4, a gradient buffer 4*n and moments 8*n (not partitioned). The host step
+      one step late (``host_step: "delayed"``, where the gradients are streamed) adds a second gradient buffer 4*n
+      and, in fp32, a master 4*n apart from the host params.
   Backups of the host step during the backward (``host_step: "overlapped"``, where the gradients are streamed):
       where a step may be refused (gradient clipping on, fp16, or bf16 with DeepSpeed's ``check_grad_overflow``),
       the optimizer keeps a copy of what it steps ahead: fp32 master and moments 12*n, and the 16-bit host params
@@ -157,6 +159,7 @@ class TrainingSetup:
     pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_PER_S
     cpu_adam_params_per_s: float = DEFAULT_CPU_ADAM_PARAMS_PER_S
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    host_step: str = "sequential"  # granular_offload.host_step
     host_step_backups: bool = False  # host_step "overlapped" where a step may be refused: copies of what it steps
 
     def __post_init__(self):
@@ -231,9 +234,11 @@ def host_buffers(numel: int, level: PlacementLevel, setup: TrainingSetup, dp_siz
     if level is PlacementLevel.HOST_OPTIMIZER:
         return (FP32 * m,) * (2 + ADAM_STATES)
     if outside_deepspeed(level, setup):
-        separate_master = (FP32 * numel,) if w != FP32 else ()
+        delayed = setup.host_step == "delayed" and setup.streams_gradients
+        separate_master = (FP32 * numel,) if w != FP32 or delayed else ()
         staging = (FP32 * numel,) if setup.streams_gradients and setup.gradient_accumulation_steps > 1 else ()
-        return (numel * w,) + separate_master + (FP32 * numel,) * (1 + ADAM_STATES) + staging
+        spare_gradient = (FP32 * numel,) if delayed else ()
+        return (numel * w,) + separate_master + (FP32 * numel,) * (1 + ADAM_STATES) + staging + spare_gradient
     return (numel * w,) + (FP32 * m,) * (1 + ADAM_STATES)  # fp32 ZeRO 0: the host params are the master
 
 

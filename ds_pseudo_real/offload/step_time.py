@@ -26,8 +26,9 @@ Per optimizer step of GA micro-batches, on one rank:
       backward passes its layer, r_i = s + (L - i) / L x b; then the others (DeepSpeed's groups: host_optimizer,
       host_params at ZeRO 0) ready at e. step = max(e, the chain's end). Never more than ``sequential``, never less
       than the backward. The copies in do not wait for the backward's fetches, which share their direction.
-  ``delayed`` (ZeRO-Offload's delayed parameter update, modelled only: granular offload does not run it): the whole
-      host step of step t during the forward and backward of step t + 1: step = max(GA x (f + b), the chain from 0).
+  ``delayed`` (host_step "delayed", ZeRO-Offload's delayed parameter update): the host step of the groups above of
+      step t during the forward and backward of step t + 1 (ready at 0), the others after the backward as in
+      ``sequential``: step = max(e, the chain's end).
   ``OffloadPlan.offload_seconds_per_step`` stays what it was: every transfer and the host Adam added, an upper
   bound to compare plans with.
 """
@@ -143,7 +144,7 @@ def step_times(plan: OffloadPlan, compute: Compute = NO_COMPUTE) -> StepTimes:
     ready = [start + b * (layers - w.position) / layers if w.during_backward and w.position is not None else end
              for w in ordered]
     overlapped = max(end, host_chain_end(ordered, ready, pcie, adam))
-    delayed = max(ga * (f + b), host_chain_end(work, [0.0] * len(work), pcie, adam))
+    delayed = max(end, host_chain_end(ordered, [0.0 if w.during_backward else end for w in ordered], pcie, adam))
     return StepTimes(ga * f, ga * b, sequential, overlapped, delayed)
 
 
@@ -162,8 +163,8 @@ def describe_step_times(times: StepTimes, plan: OffloadPlan, compute: Compute, s
         f"{s.pcie_bytes_per_s / 1e9:.3g} GB/s ({sources['pcie']}), {device}",
         f"modelled step: forward {times.forward:.3g} s, backward {times.backward:.3g} s; host_step sequential (the "
         f"host step after the backward) {times.sequential:.3g} s, overlapped (host_params layers stepped during the "
-        f"backward) {times.overlapped:.3g} s = {times.overlapped_ratio:.2f} x sequential; a delayed update (the host "
-        f"step during the next step's forward and backward; not run by granular offload) {times.delayed:.3g} s",
+        f"backward) {times.overlapped:.3g} s = {times.overlapped_ratio:.2f} x sequential, delayed (stepped one step "
+        f"late, during the next forward and backward) {times.delayed:.3g} s",
     ])
 
 

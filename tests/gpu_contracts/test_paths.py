@@ -69,6 +69,9 @@ MAIN_JOB_CASES = {
     # layer 0 stepped by the worker thread during the backward (its copies and events from another thread)
     "zero2_host_step_overlapped_fp16": (2, {"0": "host_params", "1": "host_optimizer", "host_step": "overlapped"},
                                         3, "fp16"),
+    # layer 0 stepped one step late by a worker thread, during the next forward and backward
+    "zero2_host_step_delayed_fp16": (2, {"0": "host_params", "1": "host_optimizer", "host_step": "delayed",
+                                         "delayed_from_step": 0}, 3, "fp16"),
 }
 
 
@@ -103,17 +106,23 @@ def test_the_main_jobs_loop_runs_on_the_ranks_gpu(fake_world, stage, levels, dty
            "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
            "zero_optimization": {"stage": stage},
            "pseudo_to_real": {"groups": 1, "switch": {"at_step": 2}, "optimizer_state": "scale"}}
-    stepped_ahead = []
+    stepped_ahead, stepped_late = [], []
     if levels:
         levels = dict(levels)
         host_step = levels.pop("host_step", "sequential")
         cfg["granular_offload"] = {"levels": levels, "host_step": host_step}
+        if "delayed_from_step" in levels:
+            cfg["granular_offload"]["delayed_from_step"] = levels.pop("delayed_from_step")
         del cfg["optimizer"]["params"]["torch_adam"]  # granular offload steps with DeepSpeed's kernels
         from ds_pseudo_real.offload.ahead import HostStepAhead
 
-        step_ahead = HostStepAhead._step
+        from ds_pseudo_real.offload.delayed import DelayedHostStep
+
+        step_ahead, step_late = HostStepAhead._step, DelayedHostStep._step
         monkeypatch.setattr(HostStepAhead, "_step", lambda self, *a: (stepped_ahead.append(a[0]["placement"]),
                                                                        step_ahead(self, *a)))
+        monkeypatch.setattr(DelayedHostStep, "_step", lambda self, work, factor: (
+            stepped_late.append(sorted({group["placement"] for group, *_ in work})), step_late(self, work, factor)))
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif dtype == "fp16":
@@ -132,6 +141,10 @@ def test_the_main_jobs_loop_runs_on_the_ranks_gpu(fake_world, stage, levels, dty
     # builds a new optimizer, which learns at step 3), stepped ahead at steps 2 and 4
     overlapped = cfg.get("granular_offload", {}).get("host_step") == "overlapped"
     assert stepped_ahead == (["layer0"] * 2 if overlapped else [])
+    # the delayed host step: layer 0 at every step, of the pseudo model (steps 1 and 2) and of the real one (the
+    # delink publishes the step in flight first)
+    delayed = cfg.get("granular_offload", {}).get("host_step") == "delayed"
+    assert stepped_late == ([["layer0"]] * 4 if delayed else [])
     # 4 steps' loss sums (with the stop flag) and 2 evaluations, each one all-reduce of a tensor on cuda:3
     assert summed == [(2, CUDA3)] * 2 + [(1, CUDA3)] + [(2, CUDA3)] * 2 + [(1, CUDA3)]
     # the last step's checkpoint: this rank's partition of the optimizer state under ZeRO (rank 0 publishes the

@@ -44,8 +44,11 @@ def test_each_mode_on_a_plan_computed_by_hand():
     # overlapped: the backward passes layer3 at 1 + 2 / 4 = 1.5 s: out 2.5, Adam 3.5; layer2 at the backward's end
     # (3 s): out 4, Adam 5, master in 6
     assert times.overlapped == 6.0 and times.overlapped_ratio == 6.0 / 7.0
-    # delayed: the chain from 0 (layer3 out 1, Adam 2; layer2 out 2, Adam 3, in 4) during the 3 s of compute
-    assert times.delayed == 4.0
+    # delayed: layer3's step of the step before from 0 (out 1, Adam 2), during the 3 s of compute; layer2, in
+    # DeepSpeed's optimizer, after the backward as above: out 4, Adam 5, in 6
+    assert times.delayed == 6.0
+    # with every offloaded layer the offload's own, the delayed step is the compute's: max(3, out 1 + Adam 1)
+    assert step_times(small_plan({"layer3": HOST_PARAMS}), COMPUTE).delayed == 3.0
 
 
 def test_at_zero_0_nothing_is_stepped_during_the_backward():
@@ -166,8 +169,8 @@ def test_plan_command_prints_each_mode_and_the_node(tmp_path, capsys):
             "(assumed: granular_offload.pcie_gb_per_s), device 4e-06 TFLOPS (assumed: --gpu-tflops; 4,000 parameters "
             "a token meets x 500 tokens a micro-batch)\n") in out
     assert ("modelled step: forward 1 s, backward 2 s; host_step sequential (the host step after the backward) 7 s, "
-            "overlapped (host_params layers stepped during the backward) 6 s = 0.86 x sequential; a delayed update "
-            "(the host step during the next step's forward and backward; not run by granular offload) 4 s\n") in out
+            "overlapped (host_params layers stepped during the backward) 6 s = 0.86 x sequential, delayed (stepped "
+            "one step late, during the next forward and backward) 6 s\n") in out
     # host: layer2's master, gradient buffer and moments, layer3's params, gradient buffer and moments: 4 x 4000 B
     # each, unpinned on the CPU
     assert ("node: 2 ranks x (31.25 KiB plan + 4.00 GiB process) + 16.00 GiB reserve = 24.00 GiB of host memory, "

@@ -294,8 +294,8 @@ def test_m6_10t_v100_config_plans_fp16_within_32_gib(capsys):
     # the step at the config's rates (5e8 params/s, 12 GB/s): the experts at host_params are stepped during the
     # backward; their 36.8 s of host Adam are longer than it, so the step stays above the host Adam's time
     assert ("host_step sequential (the host step after the backward) 47.9 s, overlapped (host_params layers stepped "
-            "during the backward) 40.2 s = 0.84 x sequential; a delayed update (the host step during the next step's "
-            "forward and backward; not run by granular offload) 37.1 s") in printed[()]
+            "during the backward) 40.2 s = 0.84 x sequential, delayed (stepped one step late, during the next forward "
+            "and backward) 37.1 s") in printed[()]
     real = printed[()]
     assert "device total 29.39 GiB (31552036272 B)" in real and 31552036272 < 32 * 2**30
     assert cli_main(["plan", "--config", str(REPO / "configs" / "offload_m6_10t.json"), "--world-size", "512"]) == 0
@@ -379,3 +379,18 @@ def test_the_overlapped_steps_backups_are_planned_where_a_step_may_be_refused(ds
     sequential = parse_granular_offload({"granular_offload": {"levels": ["host_params"] * 4}})
     assert setup_for(ds_config, overlapped, 1, 4, "cpu").host_step_backups is backups
     assert setup_for(ds_config, sequential, 1, 4, "cpu").host_step_backups is False
+
+
+def test_delayed_from_step_is_read_with_the_delayed_host_step_only():
+    levels = ["host_params"] * 2
+    assert parse_granular_offload({"granular_offload": {"levels": levels, "host_step": "delayed"}}).delayed_from_step == 40
+    section = parse_granular_offload({"granular_offload": {"levels": levels, "host_step": "delayed",
+                                                           "delayed_from_step": 0}})
+    assert (section.host_step, section.delayed_from_step) == ("delayed", 0)
+    with pytest.raises(ConfigError, match="delayed_from_step is read with host_step 'delayed' only; got host_step "
+                                          "'overlapped'"):
+        parse_granular_offload({"granular_offload": {"levels": levels, "host_step": "overlapped",
+                                                     "delayed_from_step": 3}})
+    with pytest.raises(ConfigError, match="delayed_from_step"):
+        parse_granular_offload({"granular_offload": {"levels": levels, "host_step": "delayed",
+                                                     "delayed_from_step": -1}})

@@ -361,3 +361,22 @@ def test_the_overlapped_steps_backups_are_host_bytes_of_host_params_groups_outsi
     assert pinned.host_allocated_bytes - unrounded.host_allocated_bytes == 14 * 1000
     # ZeRO 0 keeps the gradients on the device until the step: nothing is stepped ahead, nothing backed up
     assert place(groups, levels, TrainingSetup("bf16", 0, 1, host_step_backups=True)).backup_bytes == 0
+
+
+def test_the_delayed_host_step_holds_a_second_gradient_buffer_and_an_fp32_master():
+    groups = [GroupSize("layer0", 1000, 0), GroupSize("layer1", 1000, 1)]
+    levels = {"layer0": L.HOST_PARAMS, "layer1": L.HOST_OPTIMIZER}
+    # fp32: a master apart from the host params (4 B) and a second gradient buffer (4 B); 16 bits: the master is
+    # there already
+    for dtype, per_param in (("fp32", 8), ("bf16", 4)):
+        plain, delayed = (place(groups, levels, TrainingSetup(dtype, 1, 1, host_step=mode))
+                          for mode in ("sequential", "delayed"))
+        assert delayed.host_bytes - plain.host_bytes == per_param * 1000
+        assert delayed.optimizer_host_bytes - plain.optimizer_host_bytes == per_param * 1000
+        assert delayed.backup_bytes == 0  # nothing is stepped ahead, so nothing is backed up
+    # pinned like the other host buffers: each in whole pages
+    pinned = place(groups, levels, TrainingSetup("fp32", 1, 1, pinned_host=True, host_step="delayed"))
+    assert pinned.host_allocated_bytes == sum(pinned_bytes(size) for p in pinned.placements for size in p.host_buffers)
+    # ZeRO 0 steps host_params layers after the backward, in DeepSpeed's optimizer: nothing is delayed
+    assert (place(groups, levels, TrainingSetup("fp32", 0, 1, host_step="delayed")).host_bytes
+            == place(groups, levels, TrainingSetup("fp32", 0, 1)).host_bytes)
