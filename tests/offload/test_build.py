@@ -148,3 +148,22 @@ def test_groups_built_by_hand_without_placement_are_all_accounted():
     optimizer.step()
     assert optimizer.held_bytes() == {"device": 8 * OTHER, "host": 16 * 4 * LAYER}
     assert optimizer.moved_bytes == optimizer.moved_bytes_by_group[None] == 8 * 4 * LAYER
+
+
+@pytest.mark.parametrize("host_step", ["overlapped", "delayed"])
+def test_a_host_step_mode_with_nothing_to_change_says_so(host_step, monkeypatch):
+    """At ZeRO 0 in fp32 the host_params layers are DeepSpeed's to step after the backward: neither mode can change
+    anything there, and the log says it once; at ZeRO 1 they are the offload's own, and nothing is said."""
+    import ds_pseudo_real.ranks as ranks
+
+    said = []
+    monkeypatch.setattr(ranks, "log_rank0", said.append)
+    for stage in (0, 1):
+        config = {**copy.deepcopy(CONFIG), "zero_optimization": {"stage": stage}}
+        config["granular_offload"] = {"levels": {"0": "host_params"}, "host_step": host_step}
+        optimizer, _, _ = build_offload_optimizer(TinyLM(), config, "layers", 1)
+        assert (optimizer.ahead is not None, optimizer.delayed is not None) == (
+            (host_step == "overlapped" and stage == 1), (host_step == "delayed" and stage == 1))
+        optimizer.remove_hooks()
+    assert said == [f"granular_offload.host_step '{host_step}': no layer here is stepped by the offload itself "
+                    f"(host_params under ZeRO 1/2), so every host step runs after the backward, as 'sequential'"]
