@@ -80,6 +80,8 @@ class DelayedHostStep:
                 self.host.grad_buffers[p], self._spare[p] = self._spare_buffer(p), filled
                 state["step"] += 1
                 work.append((group, state, master, filled))
+        if work:  # this thread steps DeepSpeed's groups at the same step number meanwhile, with the same kernel
+            self.host.enter_step(work[0][0], work[0][1]["step"])
         self._future = self._worker.submit(self._step, work, factor)
         self.delayed += 1
 

@@ -186,6 +186,14 @@ class HostAdam:
                                                group["eps"], group["weight_decay"], group["bias_correction"],
                                                param, grad, exp_avg, exp_avg_sq)
 
+    def enter_step(self, group: Dict[str, Any], step: int) -> None:
+        """Bring the kernel to ``step`` with ``group``'s hyperparameters, stepping nothing (a call on empty tensors).
+        The kernel instance keeps the step and its bias corrections, which every call at a new step number moves:
+        after this, calls at ``step`` from two threads at once (a worker's and this thread's, with the same
+        hyperparameters, as every group has) find it there and leave it as it is."""
+        empty = torch.empty(0)
+        self.adam_update(group, step, empty, empty, torch.empty(0), torch.empty(0))
+
     def state(self, p: torch.Tensor, state: Dict[str, Any]) -> Dict[str, Any]:
         """``state`` (p's optimizer state), given zero host moments and step 0 at p's first step."""
         if not state:
