@@ -440,6 +440,45 @@ def test_a_target_reached_before_the_switch_costs_only_the_pseudo_steps_taken():
     assert steps_in_real_steps(None, 320, 0.5) is None
 
 
+def test_the_host_step_arms_train_every_layer_at_host_params_under_zero_1_as_planned():
+    """An arm with a ``host_step`` trains at ZeRO 1 with every layer at host_params (the layers the offload steps
+    itself), in phases of their own (not pooled with the regime's planned placement): its bytes held and moved are
+    the plan's, the delayed one's with its second gradient buffer and fp32 master; one step late from the first
+    step, the delayed arm's first loss is the sequential one's and its later ones are not."""
+    common.init_single_process()
+    from ds_pseudo_real.data import ByteCorpus
+
+    sequential = convergence.Arm("scratch host_params sequential", host_step="sequential")
+    delayed = convergence.Arm("scratch host_params delayed from 0", host_step="delayed", delayed_from_step=0)
+    regime = convergence.Regime("memory_bound", 2, 16, 2, 8, 2, 4, 1e-2, 1, 2, 1,
+                                [convergence.Arm("scratch"), sequential, delayed],
+                                moe=dict(num_experts=8, num_prototypes=2, ffn=16, capacity_factor=1.25,
+                                         balance_coeff=0.01),
+                                offload=dict(bandwidth_gbps=10.0, budget_fraction=0.5))
+    regime.offload.update(convergence.offload_budget(regime))
+    config = convergence.ds_config(regime, {}, delayed)
+    assert config["zero_optimization"] == {"stage": 1}
+    assert config["granular_offload"]["levels"] == {"0": "host_params", "1": "host_params", "other": "device"}
+    assert (config["granular_offload"]["host_step"], config["granular_offload"]["delayed_from_step"]) == ("delayed", 0)
+    assert "granular_offload" in convergence.ds_config(regime, {}) and "zero_optimization" in config
+    corpus = ByteCorpus(max_bytes=1 << 18)
+    runs = [convergence.run_arm(regime, arm, 0, corpus, verbose=False) for arm in (sequential, delayed)]
+    for run in runs:
+        assert set(run["phases"]) == {"real host_params"}
+        record = run["offload"]["real host_params"]
+        assert record["plan"]["level_counts"] == {"device": 1, "host_optimizer": 0, "host_params": 2}
+        assert record["matches_plan"], record
+    import torch
+
+    with torch.device("meta"):
+        model = common.build_gpt(regime.n_layer, regime.d_model, regime.n_head, regime.seq_len, regime.moe)
+    layer_numel = sum(p.numel() for p in model.layers.parameters())
+    held = [run["offload"]["real host_params"]["held_bytes"]["host"] for run in runs]
+    assert held[1] - held[0] == 8 * layer_numel  # a second gradient buffer and an fp32 master, 4 B each
+    assert runs[1]["train_loss"][0] == runs[0]["train_loss"][0]
+    assert runs[1]["train_loss"][1:] != runs[0]["train_loss"][1:]
+
+
 def test_a_budgeted_arm_trains_its_fraction_of_the_steps_on_a_schedule_fitted_to_them():
     """budget 0.5 of 8 steps: 4 steps, the warmup + cosine schedule planned for those 4 (not halfway down one
     planned for 8), the switch at 25 % of the 4; scratch keeps the regime's 8, and the analysis costs the arm's own
