@@ -85,18 +85,23 @@ def test_select_arms_keeps_the_regime_order_and_requires_scratch():
 
 def test_the_gpu_checks_convergence_arms_are_arms_of_the_regime_with_their_control():
     """A misspelt arm in benchmarks/gpu/check.sh would cost a device session its convergence part: every arm it
-    names is one of the memory-bound regime's, and each of its pseudo-to-real and growth arms has its same-schedule
-    scratch beside it."""
+    names is one of the memory-bound regime's, its baseline is one of them, and each of its pseudo-to-real and
+    growth arms has scratch on its budget beside it (the baseline, or the same-schedule scratch)."""
     import re
 
     script = (REPO / "benchmarks" / "gpu" / "check.sh").read_text()
-    names = re.search(r'benchmarks/convergence\.py --regime memory_bound.*?--arms "([^"]+)"', script, re.S).group(1)
+    call = re.search(r'benchmarks/convergence\.py --regime memory_bound.*?--tag', script, re.S).group(0)
+    names = re.search(r'--arms "([^"]+)"', call).group(1)
+    baseline = re.search(r'--baseline "([^"]+)"', call).group(1)
     arms = convergence.memory_bound_arms(8, quick=False)
     chosen = convergence.select_arms(arms, names)
+    by_name = {a.name: a for a in chosen}
+    assert by_name[baseline].kind == "scratch" and by_name[baseline].budget == 5.0
     regime = convergence.Regime("t", 8, 8, 2, 4, 1, 160, 2e-3, 1, 1, 1, chosen)
     staged = [a for a in chosen if a.kind in ("pseudo_to_real", "stacking")]
     assert {a.kind for a in staged} == {"pseudo_to_real", "stacking"}
-    assert all(convergence.same_schedule_scratch(regime, a) in chosen for a in staged)
+    assert all(convergence.same_schedule_scratch(regime, a) in chosen or a.budget == by_name[baseline].budget
+               for a in staged)
 
 
 def _run(arm, seed, evals, phases, step_s, switch=None):

@@ -19,8 +19,9 @@
 #     delink of a 1.0B GPT against one copy of its parameters (benchmarks/overhead.py), and DeepSpeed's ZeRO-3 NVMe
 #     optimizer offload against its cpu offload (benchmarks/nvme_offload.py) where libaio is;
 #   convergence (part 4, only when named): the memory-bound regime of benchmarks/convergence.py trained on the device
-#     with real offload, SEEDS seeds (default 8): scratch, a pseudo phase as long as scratch's run and a 2-layer model
-#     grown to 8, with scratch on those schedules; the GPU wall clock to scratch's final loss per seed.
+#     with real offload, SEEDS seeds (default 8): the headline arms, scratch on 5x its steps (the strong baseline, at
+#     the regime's LR and twice it), the shared model until 60 % of them and a 2-layer model grown to 8 at 60 %; the
+#     GPU wall clock to the baseline's final loss per seed.
 #   host_step (part 6, only when named): the plan calibrated on this machine (`plan --calibrate`: host Adam's rate
 #     with the cores one of 8 ranks gets, pinned host-device bandwidth) for the M6-10T config, and
 #     benchmarks/host_step.py: the host step during the backward and one step late against after it, DeepSpeed's
@@ -201,8 +202,8 @@ fi
 if want convergence; then
   # every run is written as it ends: a run cut short by the deadline keeps its finished seeds (--reanalyse reads them)
   step convergence "$PY" benchmarks/convergence.py --regime memory_bound --seeds "${SEEDS:-8}" --threads 8 \
-    --arms "scratch,scratch budget 200% lr x2,scratch budget 300%,p2r@50% scale budget 200% lr x2 pseudo x0.25 rewarmup 10,stack 2->8 @67% budget 300%" \
-    --tag _gpu --out "$OUT"
+    --arms "scratch,scratch budget 500%,scratch budget 500% lr x2,p2r@60% scale budget 500% lr x0.7,stack 2->8 @60% budget 500%" \
+    --baseline "scratch budget 500%" --tag _gpu --out "$OUT"
 fi
 if want layouts; then
   export MEGATRON_LM_PATH="${MEGATRON_LM_PATH:-$PWD/../shared/third_party/megatron-lm}"
