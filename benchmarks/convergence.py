@@ -189,6 +189,12 @@ def dense_arms(n_layer: int, quick: bool) -> List[Arm]:
         Arm("scratch budget 500% lr x2", budget=5.0, lr_scale=2.0),
         Arm("p2r@60% scale budget 500% lr x0.7", "pseudo_to_real", 0.60, budget=5.0, lr_scale=0.7),
         Arm("p2r@80% scale budget 500% lr x0.7", "pseudo_to_real", 0.80, budget=5.0, lr_scale=0.7),
+        # each stage at its own LR: the shared model lower, the real one at the regime's; and the dense regime's
+        # best sharing schedule at equal steps, on the long budget
+        Arm("p2r@60% scale budget 500% pseudo x0.7", "pseudo_to_real", 0.60, budget=5.0, pseudo_lr_scale=0.7),
+        Arm("p2r@10% G=4 scale noise 0.01 pseudo x0.5 budget 500%", "pseudo_to_real", 0.10, groups=4,
+            delink_noise=0.01, pseudo_lr_scale=0.5, budget=5.0),
+        Arm("p2r@20% scale pseudo x0.5 budget 500%", "pseudo_to_real", 0.20, pseudo_lr_scale=0.5, budget=5.0),
         # growth of the shared set: one set, then two, four and the real model
         Arm(f"p2r 1->2->4->{n_layer} @40/60/80% budget 500% lr x0.7", "progressive", 0.40,
             stages=((2, 0.40), (4, 0.60), (n_layer, 0.80)), budget=5.0, lr_scale=0.7),
