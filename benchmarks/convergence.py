@@ -845,6 +845,15 @@ def merge_stored(stored: Sequence[Dict], tags: Sequence[str]) -> Dict:
             "runs": list(runs.values())}
 
 
+PER_STEP = ("compute_s", "optimizer_s", "step_s", "train_loss")  # a run's per-step series: most of a file's bytes
+
+
+def lean(run: Dict) -> Dict:
+    """``run`` as stored: its per-step series rounded to 1e-6 (seconds, and training losses), which the analysis
+    reads as sums and medians over hundreds of steps; validation losses as measured (``merge_stored`` compares them)."""
+    return {k: [round(x, 6) for x in v] if k in PER_STEP else v for k, v in run.items()}
+
+
 def results_file(out_dir: Path, regime_name: str, tag: str) -> Path:
     """Where a run of ``regime_name`` under ``tag`` is stored: gzipped JSON (per-step series are most of its bytes)."""
     return out_dir / f"convergence_{regime_name}{tag}.json.gz"
@@ -914,7 +923,7 @@ def run_regime(regime: Regime, seeds: Sequence[int], corpus, out_dir: Path, tag:
         "regime": asdict(regime), "seeds": list(seeds), "machine": machine,
         "elapsed_s": time.perf_counter() - started, "cost_model_step_s": step_cost, "offload_model": offload,
         "clocks": {k: ("measured" if v is None else v) for k, v in clocks.items()},
-        "summary": summary, "table_markdown": table, "strong_baseline": strong, "runs": runs,
+        "summary": summary, "table_markdown": table, "strong_baseline": strong, "runs": [lean(r) for r in runs],
     }
     write_json(path, payload)
     plot(regime, runs, {k: v for k, v in clocks.items()}, plot_path)
