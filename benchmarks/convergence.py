@@ -471,8 +471,8 @@ def run_arm(regime: Regime, arm: Arm, seed: int, corpus, verbose: bool = True) -
             fetched = optimizer.host_params.fetched_bytes if optimizer.host_params is not None else 0
             current = offload_counters(engine)[0] is optimizer
             evaluation_fetched = before_transition.fetched_bytes - evaluation_fetched
-            record_offload_step(offload, phase, plan, optimizer.moved_bytes + fetched - moved_before - evaluation_fetched,
-                                optimizer.held_bytes() if current else None)
+            moved = optimizer.moved_bytes + fetched - moved_before - evaluation_fetched
+            record_offload_step(offload, phase, plan, moved, optimizer.held_bytes() if current else None)
         if engine.last_transition is not None and transition is None:
             t = engine.last_transition
             transition = {k: t[k] for k in ("step", "seconds", "parameters_before", "parameters_after", "optimizer_state",

@@ -6,14 +6,15 @@ SuperOffload, on one model and the same batches, with the losses compared.
 On a CPU the "device" work (forward, backward, the copies of host_params layers) and the host step share the
 machine, so the comparison is honest only when each gets a core of its own: the training thread runs torch with one
 thread, the host step's worker DeepSpeed's CPU Adam with one OpenMP thread (``OMP_NUM_THREADS=1``), on a 2-core
-machine. Every layer is at host_params under ZeRO 2 (own groups: the ones the overlapped step can take), fp32,
-gradient clipping off (``--clip`` on: the groups stepped ahead keep backups, and a norm that clips makes them redo).
+machine. Every layer is at host_params under ZeRO 2 (own groups: the ones the overlapped step can take), fp32
+(``--dtype bf16``: half the bytes copied, and the step rounds a master into the host params), gradient clipping off
+(``--clip`` on: the groups stepped ahead keep backups, and a norm that clips makes them redo).
 The balanced case is the one where the sequential arm's forward+backward and its step take about as long
 (``--tokens`` sets the batch; the table prints both parts). The arms are timed interleaved, a block of steps each,
 round after round, so the machine's noise falls on all of them; the ratio is the median block time over the
 sequential arm's. On the CPU the allocator keeps freed blocks, as CUDA's caching allocator does
 (``common.keep_freed_blocks``; ``--host-allocator system`` leaves glibc's default, under which every fetch of a
-released layer and every fresh weight gradient faults its pages in again, and the forward+backward is mostly that).
+released layer and every fresh weight gradient faults its pages in again: a fifth of the forward+backward here).
 
     OMP_NUM_THREADS=1 python benchmarks/host_step.py      # ~3 min on 2 cores; writes results/host_step.json
 """
@@ -31,7 +32,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402
-    RESULTS, init_single_process, keep_freed_blocks, machine_description, markdown_table, median, timed_step, write_json,
+    RESULTS, init_single_process, keep_freed_blocks, machine_description, markdown_table, median, timed_step,
+    write_json,
 )
 
 ARMS = ("sequential", "overlapped", "delayed", "deepspeed_zero2_offload", "superoffload")
@@ -71,9 +73,12 @@ def make_model(d: int, layers: int, vocab: int):
 
 
 def base_config(args) -> Dict:
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-            "gradient_clipping": args.clip, "zero_optimization": {"stage": 2},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}}
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+              "gradient_clipping": args.clip, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}}
+    if args.dtype == "bf16":  # without DeepSpeed's overflow check no step can be refused: no backups (docs/offload.md)
+        config["bf16"] = {"enabled": True, "check_grad_overflow": False}
+    return config
 
 
 def build(arm: str, args):
@@ -170,6 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--tokens", type=int, default=8, help="tokens per step: sets the forward+backward's share")
     p.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: 2-byte host params and copies, an fp32 master rounded into them after each step")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--block", type=int, default=5, help="steps per arm per round")
@@ -188,7 +195,7 @@ def main(argv=None) -> int:
     caching = args.host_allocator == "caching" and not torch.cuda.is_available() and keep_freed_blocks()
     print(f"host allocator: {'freed blocks kept (as a caching allocator)' if caching else 'the system default'}",
           flush=True)
-    print(f"host step benchmark: {args.layers} layers of hidden {args.hidden} at host_params, ZeRO 2, fp32, "
+    print(f"host step benchmark: {args.layers} layers of hidden {args.hidden} at host_params, ZeRO 2, {args.dtype}, "
           f"{args.tokens} tokens per step, gradient_clipping {args.clip}", flush=True)
     result = measure(args)
     table = markdown_table(

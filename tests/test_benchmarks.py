@@ -562,8 +562,9 @@ def test_the_layouts_benchmark_reads_each_pass_of_its_run():
         layouts.tokens_per_second(log, passes=2, warmup=4, tokens_per_iteration=1000)
 
 
-@pytest.mark.parametrize("clip", [0.0, 1e-6], ids=["no_clipping", "clipping_every_step"])
-def test_the_host_step_benchmark_compares_arms_on_the_same_losses(tmp_path, clip):
+@pytest.mark.parametrize("clip,dtype", [(0.0, "fp32"), (1e-6, "fp32"), (0.0, "bf16")],
+                         ids=["no_clipping", "clipping_every_step", "bf16"])
+def test_the_host_step_benchmark_compares_arms_on_the_same_losses(tmp_path, clip, dtype):
     """A tiny run of benchmarks/host_step.py: the sequential and overlapped arms give the same losses; without
     clipping every own group after the first step is stepped during the backward, with a norm that clips every step
     the first step ahead is redone and the later ones are held sequential. The delayed arm steps every step late,
@@ -575,10 +576,10 @@ def test_the_host_step_benchmark_compares_arms_on_the_same_losses(tmp_path, clip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_step.py"), "--hidden", "64", "--layers",
-                           "2", "--vocab", "64", "--rounds", "2", "--block", "2", "--clip", str(clip), "--arms",
-                           "sequential", "overlapped", "delayed", "--out", str(out)], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    flags = ["--hidden", "64", "--layers", "2", "--vocab", "64", "--rounds", "2", "--block", "2", "--clip", str(clip),
+             "--dtype", dtype, "--arms", "sequential", "overlapped", "delayed", "--out", str(out)]
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_step.py"), *flags], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert rows["overlapped"]["losses"] == rows["sequential"]["losses"]
