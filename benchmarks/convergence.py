@@ -845,13 +845,16 @@ def merge_stored(stored: Sequence[Dict], tags: Sequence[str]) -> Dict:
             "runs": list(runs.values())}
 
 
-PER_STEP = ("compute_s", "optimizer_s", "step_s", "train_loss")  # a run's per-step series: most of a file's bytes
+# a run's per-step series, most of a file's bytes, as stored: rounded to these decimals (seconds to 10 us, training
+# losses to 1e-4), which the analysis reads as sums and medians over hundreds of steps; ``step_s``, their sum, is not
+# stored but added back when read
+STORED_DECIMALS = {"compute_s": 5, "optimizer_s": 5, "train_loss": 4}
 
 
 def lean(run: Dict) -> Dict:
-    """``run`` as stored: its per-step series rounded to 1e-6 (seconds, and training losses), which the analysis
-    reads as sums and medians over hundreds of steps; validation losses as measured (``merge_stored`` compares them)."""
-    return {k: [round(x, 6) for x in v] if k in PER_STEP else v for k, v in run.items()}
+    """``run`` as stored (``STORED_DECIMALS``); validation losses as measured (``merge_stored`` compares them)."""
+    return {k: [round(x, STORED_DECIMALS[k]) for x in v] if k in STORED_DECIMALS else v
+            for k, v in run.items() if k != "step_s"}
 
 
 def results_file(out_dir: Path, regime_name: str, tag: str) -> Path:
@@ -864,7 +867,10 @@ def read_stored(out_dir: Path, regime_name: str, tag: str) -> Dict:
     path = results_file(out_dir, regime_name, tag)
     if not path.exists() and path.with_suffix("").exists():
         path = path.with_suffix("")
-    return read_json(path)
+    stored = read_json(path)
+    for run in stored["runs"]:
+        run.setdefault("step_s", [c + o for c, o in zip(run["compute_s"], run["optimizer_s"])])
+    return stored
 
 
 def run_regime(regime: Regime, seeds: Sequence[int], corpus, out_dir: Path, tag: str,

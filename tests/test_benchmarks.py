@@ -245,18 +245,23 @@ def test_stored_runs_of_the_same_seeds_merge_and_disagreeing_ones_do_not():
 
 
 def test_results_are_stored_gzipped_and_reanalysed_from_either_form(tmp_path):
-    """A results file is gzipped JSON (its per-step series are most of its bytes). --reanalyse and --merge read it,
-    and the plain .json that runs stored before wrote, alike; what they write is gzipped too."""
+    """A results file is gzipped JSON (its per-step series are most of its bytes: rounded, and the step time, the
+    sum of its parts, added back when read). --reanalyse and --merge read it, and the plain .json that runs stored
+    before wrote, alike; what they write is gzipped too."""
     regime = convergence.Regime("dense", 2, 8, 2, 4, 1, 6, 1e-3, 1, 1, 1, [convergence.Arm("scratch"),
                                 convergence.Arm("p2r", "pseudo_to_real", 0.5)])
     scratch = _run("scratch", 0, [(0, 3.0), (3, 1.5), (6, 1.0)], ["real"] * 6, [1.0] * 6)
     arm = _run("p2r", 0, [(0, 3.0), (3, 1.0), (6, 0.8)], ["pseudo_g1"] * 3 + ["real"] * 3, [0.5] * 3 + [1.0] * 3,
                switch=3)
-    arm["optimizer_s"] = scratch["optimizer_s"] = [0.1] * 6
+    for run in (scratch, arm):
+        run["optimizer_s"] = [0.1] * 6
+        run["compute_s"] = [t - 0.1 for t in run["step_s"]]
     convergence.run_regime(regime, [0], None, tmp_path, "_new", [scratch, arm], machine={"commit": "x"})
     assert not (tmp_path / "convergence_dense_new.json").exists()
     new = json.loads(gzip.decompress((tmp_path / "convergence_dense_new.json.gz").read_bytes()))
-    assert new["runs"] == [scratch, arm] and (tmp_path / "convergence_dense_new.png").exists()
+    stored = [convergence.lean(scratch), convergence.lean(arm)]
+    assert new["runs"] == stored and "step_s" not in stored[0] and (tmp_path / "convergence_dense_new.png").exists()
+    assert convergence.read_stored(tmp_path, "dense", "_new")["runs"][1]["step_s"] == pytest.approx(arm["step_s"])
     only_scratch = {**new, "regime": {**new["regime"], "arms": new["regime"]["arms"][:1]}, "runs": [scratch]}
     (tmp_path / "convergence_dense_old.json").write_text(json.dumps(only_scratch))
 
@@ -265,10 +270,10 @@ def test_results_are_stored_gzipped_and_reanalysed_from_either_form(tmp_path):
         return json.loads(gzip.decompress((tmp_path / f"convergence_dense{flags[-1]}.json.gz").read_bytes()))
 
     old = reanalysed("--tag", "_old")
-    assert old["runs"] == [scratch] and [a["arm"]["name"] for a in old["summary"]["arms"]] == ["scratch"]
+    assert old["runs"] == stored[:1] and [a["arm"]["name"] for a in old["summary"]["arms"]] == ["scratch"]
     merged = reanalysed("--merge", "_new,_old", "--tag", "_both")
     by = {e["arm"]["name"]: e for e in merged["summary"]["arms"]}
-    assert merged["runs"] == [scratch, arm]
+    assert merged["runs"] == stored
     assert by["p2r"]["final_val"]["paired_minus_scratch"]["mean"] == pytest.approx(-0.2)
 
 

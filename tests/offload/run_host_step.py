@@ -9,16 +9,14 @@ one for the rest (d device, o host_optimizer, p host_params), GA micro-batches p
 gradient clipping (default 0: none), N the elements per kernel call of a parameter stepped (default the module's).
 An fp16 case puts an inf in one gradient at step :data:`OVERFLOW_AT` (a skipped step).
 """
-import json
 import os
 import sys
-import tempfile
 
 import deepspeed
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from run_training import ds_config, flat_params, letter_levels, make_model  # noqa: E402
+from run_training import ds_config, flat_params, letter_levels, make_model, run_each_case  # noqa: E402
 from tiny_model import batch  # noqa: E402
 
 from ds_pseudo_real.offload import ahead, attach_to_engine, build_offload_optimizer  # noqa: E402
@@ -99,16 +97,5 @@ def run_case(case, rank, world_size, checkpoint_dir):
     }
 
 
-def main():
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    checkpoint_dir = os.environ.get("OFFLOAD_TEST_DIR") or tempfile.mkdtemp()
-    for case in sys.argv[1:]:
-        result = json.dumps(run_case(case, rank, world_size, checkpoint_dir))
-        with open(os.path.join(checkpoint_dir, f"results.rank{rank}.jsonl"), "a") as out:  # the ranks share a stdout
-            out.write(result + "\n")
-        print("RESULT " + result, flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    run_each_case(run_case)

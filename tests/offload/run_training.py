@@ -41,6 +41,20 @@ STEPS = 4
 FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
 
 
+def run_each_case(run_case) -> None:
+    """A case script's main: ``run_case(case, rank, world_size, checkpoint_dir)`` for each case of the command line;
+    each result a JSON line in ``results.rank<R>.jsonl`` of ``OFFLOAD_TEST_DIR`` (the ranks share a stdout) and
+    printed after ``RESULT`` (``case_runs`` reads them)."""
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    checkpoint_dir = os.environ.get("OFFLOAD_TEST_DIR") or tempfile.mkdtemp()
+    for case in sys.argv[1:]:
+        result = json.dumps(run_case(case, rank, world_size, checkpoint_dir))
+        with open(os.path.join(checkpoint_dir, f"results.rank{rank}.jsonl"), "a") as out:
+            out.write(result + "\n")
+        print("RESULT " + result, flush=True)
+
+
 def ds_config(stage, dtype, clipping=None):
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
               "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": ADAM}}

@@ -4,15 +4,11 @@ last update: losses and weights, fp32, bf16 and fp16 (a skipped step), clipped, 
 a later step, 1 and 2 ranks; a resume from a checkpoint continues it exactly; the plan counts what it holds (a
 second gradient buffer, and in fp32 a master apart from the host params); and where no layer is stepped by the
 offload itself (ZeRO 0 in fp32: host_params and host_optimizer layers in DeepSpeed's optimizer) nothing is delayed."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import CPU_FP16, REPO, free_port, python_path, run_two_ranks
+from case_runs import on_one_rank, on_two_ranks
 
 SCRIPT = Path(__file__).with_name("run_delayed_step.py")
 STEPS, SAVE_AFTER, OVERFLOW_AT = 6, 3, 4  # as in the script
@@ -21,33 +17,14 @@ ONE_RANK = ["2:fp32:pdpdd", "1:fp32:pdpdd@clip1/from2", "2:bf16:pdpdd", "2:fp16:
 TWO_RANKS = ["2:fp32:pdppd@clip1"]
 
 
-def results(stdout):
-    return {r["case"]: r for r in (json.loads(line[len("RESULT "):]) for line in stdout.splitlines()
-                                   if line.startswith("RESULT "))}
-
-
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    env = {**os.environ, "PYTHONPATH": python_path(), "OFFLOAD_TEST_DIR": str(tmp_path_factory.mktemp("ckpt")),
-           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), **CPU_FP16}
-    proc = subprocess.run([sys.executable, str(SCRIPT), *ONE_RANK], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
-    if proc.returncode != 0:
-        pytest.fail(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return results(proc.stdout)
+    return on_one_rank(SCRIPT, ONE_RANK, tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ckpt2")
-    run_two_ranks(SCRIPT, *TWO_RANKS, env_extra={"OFFLOAD_TEST_DIR": str(folder)})
-    by_rank = {}
-    for rank in range(2):
-        for line in (folder / f"results.rank{rank}.jsonl").read_text().splitlines():
-            result = json.loads(line)
-            by_rank.setdefault(result["case"], []).append(result)
-    return by_rank
+    return on_two_ranks(SCRIPT, TWO_RANKS, tmp_path_factory.mktemp("ckpt2"))
 
 
 def own_layers(case):
