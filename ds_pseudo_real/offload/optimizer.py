@@ -29,7 +29,10 @@ and stepped on the host, every param of them (with a zero gradient when it got n
 first ``step()`` call of an optimizer step (ZeRO calls it once per group); in bf16 a separate fp32 master is kept
 there and rounded into the host params. With ``stream_gradients`` (ZeRO 1/2) their gradients are reduced over the
 data-parallel ranks and copied to host buffers a layer at a time during the backward; without it (ZeRO 0, whose
-engine all-reduces every gradient of the model itself) they are copied to the host when the step begins.
+engine all-reduces every gradient of the model itself) they are copied to the host when the step begins. With
+streamed gradients ``host_step`` says when their host step runs: at the step (``sequential``), during the backward
+(``overlapped``: :class:`~ds_pseudo_real.offload.ahead.HostStepAhead`) or one step late, during the next forward and
+backward (``delayed``: :class:`~ds_pseudo_real.offload.delayed.DelayedHostStep`).
 """
 from __future__ import annotations
 
