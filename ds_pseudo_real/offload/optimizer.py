@@ -367,7 +367,7 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
                     for tensor in (host, self.host.masters.get(p), self.host.grad_buffers.get(p)):
                         if tensor is not None:
                             held["host"] += tensor.numel() * tensor.element_size()
-            held["host"] += self.host.allocated_bytes(group, "staging") + self.host.allocated_bytes(group, SPARE_GRADIENT)
+            held["host"] += sum(self.host.allocated_bytes(group, kind) for kind in ("staging", SPARE_GRADIENT))
             if self.ahead is not None:
                 held["host"] += self.ahead.backup_bytes(group)
         return out
