@@ -135,14 +135,20 @@ def _thread_ticks():
 
 def test_the_thread_count_reaches_the_kernel():
     """torch.set_num_threads sets the OpenMP team DeepSpeed's kernel runs on: with 2 threads two of the process's
-    threads do its work, with 1 only one."""
+    threads do its work, with 1 only one. A machine busy with other work can starve one thread of a run, so each
+    count has three runs to show it."""
     calibration.cpu_adam_rate(1, numel=2**20, repeats=1)  # the op loaded, the buffers' pages known
     for threads in (1, 2):
-        before = _thread_ticks()
-        calibration.cpu_adam_rate(threads, numel=8 * 2**20, repeats=4)
-        after = _thread_ticks()
-        busy = [tid for tid in after if after[tid] - before.get(tid, 0) >= 2]
-        assert len(busy) == threads, (threads, before, after)
+        seen = []
+        for _ in range(3):
+            before = _thread_ticks()
+            calibration.cpu_adam_rate(threads, numel=8 * 2**20, repeats=4)
+            after = _thread_ticks()
+            seen.append(sorted(after[tid] - before.get(tid, 0) for tid in after if after[tid] > before.get(tid, 0)))
+            if sum(ticks >= 2 for ticks in seen[-1]) == threads:
+                break
+        else:
+            raise AssertionError(f"{threads} thread(s) asked, the threads' ticks in three runs: {seen}")
 
 
 def write_config(tmp_path):
