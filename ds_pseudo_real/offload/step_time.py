@@ -26,9 +26,13 @@ Per optimizer step of GA micro-batches, on one rank:
       backward passes its layer, r_i = s + (L - i) / L x b; then the others (DeepSpeed's groups: host_optimizer,
       host_params at ZeRO 0) ready at e. step = max(e, the chain's end). Never more than ``sequential``, never less
       than the backward. The copies in do not wait for the backward's fetches, which share their direction.
-  ``delayed`` (host_step "delayed", ZeRO-Offload's delayed parameter update): the host step of the groups above of
-      step t during the forward and backward of step t + 1 (ready at 0), the others after the backward as in
-      ``sequential``: step = max(e, the chain's end).
+  ``delayed`` (host_step "delayed", ZeRO-Offload's delayed parameter update): the groups above stream their
+      gradients out during the backward (ready r_i, as ``overlapped``), into a second buffer, while the host steps
+      the gradients of the step before (ready at 0, waiting for no copy out): for such a group
+          out_g = max(out_prev, r_g) + gradient_g / PCIe
+          cpu_g = cpu_prev + host_numel_g / host Adam rate
+      the others after the backward as in ``sequential``: step = max(e, the chain's end). In a steady run the host
+      step of step t fills the whole of step t + 1.
   ``OffloadPlan.offload_seconds_per_step`` stays what it was: every transfer and the host Adam added, an upper
   bound to compare plans with.
 """
@@ -116,13 +120,15 @@ def group_work(plan: OffloadPlan) -> List[GroupWork]:
 
 
 def host_chain_end(work: Iterable[GroupWork], ready: Iterable[float], pcie_bytes_per_s: float,
-                   adam_params_per_s: float) -> float:
+                   adam_params_per_s: float, late: Iterable[bool] = ()) -> float:
     """When the last of the groups' gradient out, host Adam and master in ends, each group starting at its ready
-    time, the three resources taken in the groups' order (the module docstring's recurrence)."""
+    time, the three resources taken in the groups' order (the module docstring's recurrence). A group flagged in
+    ``late`` steps the gradient of the step before: its host Adam waits for no copy out."""
     out = cpu = back = 0.0
-    for w, r in zip(work, ready):
+    late = list(late)
+    for i, (w, r) in enumerate(zip(work, ready)):
         out = max(out, r) + w.gradient_bytes / pcie_bytes_per_s
-        cpu = max(cpu, out) + w.host_numel / adam_params_per_s
+        cpu = (cpu if i < len(late) and late[i] else max(cpu, out)) + w.host_numel / adam_params_per_s
         back = max(back, cpu) + w.master_bytes / pcie_bytes_per_s
     return max(out, cpu, back)
 
@@ -144,7 +150,8 @@ def step_times(plan: OffloadPlan, compute: Compute = NO_COMPUTE) -> StepTimes:
     ready = [start + b * (layers - w.position) / layers if w.during_backward and w.position is not None else end
              for w in ordered]
     overlapped = max(end, host_chain_end(ordered, ready, pcie, adam))
-    delayed = max(end, host_chain_end(ordered, [0.0 if w.during_backward else end for w in ordered], pcie, adam))
+    late = [w.during_backward for w in ordered]
+    delayed = max(end, host_chain_end(ordered, ready, pcie, adam, late))
     return StepTimes(ga * f, ga * b, sequential, overlapped, delayed)
 
 

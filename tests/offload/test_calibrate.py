@@ -44,11 +44,25 @@ def test_each_mode_on_a_plan_computed_by_hand():
     # overlapped: the backward passes layer3 at 1 + 2 / 4 = 1.5 s: out 2.5, Adam 3.5; layer2 at the backward's end
     # (3 s): out 4, Adam 5, master in 6
     assert times.overlapped == 6.0 and times.overlapped_ratio == 6.0 / 7.0
-    # delayed: layer3's step of the step before from 0 (out 1, Adam 2), during the 3 s of compute; layer2, in
-    # DeepSpeed's optimizer, after the backward as above: out 4, Adam 5, in 6
+    # delayed: layer3's gradient out during the backward as overlapped (2.5), its Adam on the step before's gradient
+    # from 0 (1); layer2, in DeepSpeed's optimizer, after the backward: out 4, Adam 5, in 6
     assert times.delayed == 6.0
-    # with every offloaded layer the offload's own, the delayed step is the compute's: max(3, out 1 + Adam 1)
+    # with every offloaded layer the offload's own, the delayed step is the compute's: max(3, out 2.5, Adam 1)
     assert step_times(small_plan({"layer3": HOST_PARAMS}), COMPUTE).delayed == 3.0
+
+
+def test_delayed_step_is_the_host_adam_when_that_is_the_longest():
+    # every layer host_params: the fetches (4 x 4000 B each way, 4 s) make the forward and the backward 4 s each;
+    # the backward passes the layers at 5, 6, 7, 8 s, each gradient out in 1 s: the last leaves at 9 s, after the
+    # host Adam of the step before (4 x 1000 params at 1000/s = 4 s)
+    plan = small_plan({f"layer{i}": HOST_PARAMS for i in range(4)})
+    times = step_times(plan, COMPUTE)
+    assert (times.forward, times.backward, times.delayed) == (4.0, 4.0, 9.0)
+    quick = Compute(1000, 500, 1e6)
+    fast_pcie = place(uniform_groups(4, 1000), {f"layer{i}": HOST_PARAMS for i in range(4)},
+                      TrainingSetup("fp32", 2, pcie_bytes_per_s=4e6, cpu_adam_params_per_s=1000))
+    # with copies a thousand times faster, the host Adam of the step before (4 s) is the step
+    assert step_times(fast_pcie, quick).delayed == pytest.approx(4.0)
 
 
 def test_at_zero_0_nothing_is_stepped_during_the_backward():
@@ -68,8 +82,9 @@ def test_gradient_accumulation_delays_the_host_work_to_the_last_backward():
     # the last backward starts at 2 x 1 + 2 = 4 s and ends at 6 s; sequential: out 2, Adam 3 after it
     assert (times.forward, times.backward, times.sequential) == (2.0, 4.0, 9.0)
     # overlapped: the backward passes layer3 at 4.5 s: out 6.5, Adam 7.5 (the first micro-batch's gradient is
-    # counted with the last: an upper bound)
-    assert times.overlapped == 7.5 and times.delayed == 6.0
+    # counted with the last: an upper bound); delayed: the same copy out ends at 6.5, the Adam of the step before
+    # at 1
+    assert times.overlapped == 7.5 and times.delayed == 6.5
 
 
 def test_overlapped_between_the_backward_and_sequential_for_every_placement():
