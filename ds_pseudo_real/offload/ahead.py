@@ -226,10 +226,12 @@ class HostStepAhead:
 
 
 def step_param(host: HostAdam, group: Dict[str, Any], state: Dict[str, Any], master: torch.Tensor,
-               grad: torch.Tensor, factor: float) -> None:
-    """One parameter's kernel step at ``state["step"]``, with its gradient multiplied by ``factor`` (out of place:
-    the gradient buffer keeps the gradient), in ranges of :data:`SLICE_NUMEL` elements."""
+               grad: torch.Tensor, factor: float, step: Optional[int] = None, instance=None) -> None:
+    """One parameter's kernel step at ``step`` (default ``state["step"]``), with its gradient multiplied by
+    ``factor`` (out of place: the gradient buffer keeps the gradient), in ranges of :data:`SLICE_NUMEL` elements;
+    ``instance``: a kernel instance other than ``host``'s own (``HostAdam.kernel_instance``)."""
+    step = state["step"] if step is None else step
     flat = [t.view(-1) for t in (master, grad, state["exp_avg"], state["exp_avg_sq"])]
     for start in range(0, flat[0].numel(), SLICE_NUMEL):
         m, g, avg, avg_sq = (t[start:start + SLICE_NUMEL] for t in flat)
-        host.adam_update(group, state["step"], m, g if factor == 1.0 else g * factor, avg, avg_sq)
+        host.adam_update(group, step, m, g if factor == 1.0 else g * factor, avg, avg_sq, instance)

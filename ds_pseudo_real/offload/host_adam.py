@@ -95,7 +95,8 @@ class HostAdam:
         # The CPU Adam object only owns a kernel instance (opt_id, adamw mode); its own param list stays a dummy.
         # ``without_gil``: the same kernel through this package's binding, which a worker thread calls while the
         # training thread runs Python (``offload.kernel``)
-        self._cpu_adam = kernel.cpu_adam(lr, betas, eps, weight_decay, adamw_mode, bias_correction, without_gil)
+        self._kernel_args = (lr, betas, eps, weight_decay, adamw_mode, bias_correction)
+        self._cpu_adam = kernel.cpu_adam(*self._kernel_args, without_gil)
         if not without_gil:
             ds_state.check_cpu_adam(self._cpu_adam, "granular_offload")
         self.to_host_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
@@ -179,20 +180,20 @@ class HostAdam:
 
     # ----- the kernel ----------------------------------------------------------------------------------------
     def adam_update(self, group: Dict[str, Any], step: int, param: torch.Tensor, grad: torch.Tensor,
-                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """DeepSpeed's CPU Adam kernel at ``step``, in place on host fp32 tensors (or equal ranges of them)."""
+                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, instance=None) -> None:
+        """DeepSpeed's CPU Adam kernel at ``step``, in place on host fp32 tensors (or equal ranges of them), on
+        ``instance`` (:meth:`kernel_instance`) or this object's own."""
         beta1, beta2 = group["betas"]
-        self._cpu_adam.ds_opt_adam.adam_update(self._cpu_adam.opt_id, step, group["lr"], beta1, beta2,
-                                               group["eps"], group["weight_decay"], group["bias_correction"],
-                                               param, grad, exp_avg, exp_avg_sq)
+        cpu_adam = instance or self._cpu_adam
+        cpu_adam.ds_opt_adam.adam_update(cpu_adam.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                                         group["weight_decay"], group["bias_correction"], param, grad, exp_avg,
+                                         exp_avg_sq)
 
-    def enter_step(self, group: Dict[str, Any], step: int) -> None:
-        """Bring the kernel to ``step`` with ``group``'s hyperparameters, stepping nothing (a call on empty tensors).
-        The kernel instance keeps the step and its bias corrections, which every call at a new step number moves:
-        after this, calls at ``step`` from two threads at once (a worker's and this thread's, with the same
-        hyperparameters, as every group has) find it there and leave it as it is."""
-        empty = torch.empty(0)
-        self.adam_update(group, step, empty, empty, torch.empty(0), torch.empty(0))
+    def kernel_instance(self):
+        """A kernel instance of its own (GIL-free), with this object's hyperparameters: for a thread stepping at
+        other step numbers or learning rates than this one's at the same time (each instance keeps the last step
+        and its bias corrections)."""
+        return kernel.cpu_adam(*self._kernel_args, without_gil=True)
 
     def state(self, p: torch.Tensor, state: Dict[str, Any]) -> Dict[str, Any]:
         """``state`` (p's optimizer state), given zero host moments and step 0 at p's first step."""

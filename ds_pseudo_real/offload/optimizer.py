@@ -240,13 +240,14 @@ class GranularOffloadOptimizer(torch.optim.Optimizer):
         scheduled = self.param_groups[0]
         done = self.ahead.accept(factor, scheduled, self.own_param_groups) if self.ahead is not None else set()
         if self.delayed is not None:
-            self.delayed.publish(self.own_param_groups)  # the step before's, for the next forward to fetch
-            for group in self.own_param_groups:
-                group.update({k: scheduled[k] for k in _SCHEDULED_KEYS if k in scheduled})
             if self.delayed.delays(self._own_steps_taken()):
+                self.delayed.publish(self.own_param_groups)  # the step before's, for the next forward to fetch
+                for group in self.own_param_groups:
+                    group.update({k: scheduled[k] for k in _SCHEDULED_KEYS if k in scheduled})
                 self.delayed.submit(self.own_param_groups, factor)
                 self._own_stepped = True
                 return
+            self.delayed.wait()
         for group in self.own_param_groups:
             if id(group) in done:  # stepped during the backward with this factor
                 continue

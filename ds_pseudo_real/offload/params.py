@@ -175,6 +175,9 @@ class HostParamStore:
         self._unbound: Set[int] = set()  # released layers whose params still point at their freed copies
         self._forward = False  # the model's forward runs (outside a backward)
         self.transitions: Optional[List[tuple]] = [] if trace else None
+        # called before anything reads or writes the host params (a fetch, a module's state_dict or
+        # load_state_dict, ``host_tensor``): a host step writing them in another thread finishes first
+        self.before_access: Optional[Callable[[], None]] = None
         self.fetched_bytes = 0  # since construction
         self.peak_buffered_bytes = 0
         self._handles = [model.register_forward_pre_hook(lambda m, a: self._model_forward(True)),
@@ -189,7 +192,13 @@ class HostParamStore:
                 module.register_forward_hook(lambda m, a, o, k=k: self._after_forward(k)),
                 module.register_full_backward_pre_hook(lambda m, g, k=k: self._before_backward(k)),
                 module.register_full_backward_hook(lambda m, gi, go, k=k: self._after_backward(k, gi)),
+                module.register_state_dict_pre_hook(lambda *_: self._access()),
+                module.register_load_state_dict_pre_hook(lambda *_: self._access()),
             ]
+
+    def _access(self) -> None:
+        if self.before_access is not None:
+            self.before_access()
 
     # ----- the one place residency changes -------------------------------------------------------------------
     def _transition(self, k: int, new: Residency) -> None:
@@ -225,6 +234,7 @@ class HostParamStore:
         the side stream on CUDA: it overlaps the running layer), after taking back whatever replaced the params
         since the last release."""
         params = self._entries[k]
+        self._access()
         self._adopt(params)
         hosts = [self._host[p] for p in params]
         event = None
@@ -395,8 +405,11 @@ class HostParamStore:
                 p.grad = zeros
                 p.data = host
 
-    def host_tensor(self, p: nn.Parameter) -> torch.Tensor:
-        """The host copy of ``p``: its working value between uses and the optimizer's fp32 master."""
+    def host_tensor(self, p: nn.Parameter, access: bool = True) -> torch.Tensor:
+        """The host copy of ``p``: its working value between uses and the optimizer's fp32 master (``access``
+        False: without waiting for a host step writing it, for that step itself)."""
+        if access:
+            self._access()
         return self._host[p]
 
     def _adopt(self, params: List[nn.Parameter]) -> None:
@@ -415,6 +428,7 @@ class HostParamStore:
     def adopt_all(self) -> None:
         """Take back every parameter replaced outside ``Module._apply`` while the engine was built (DeepSpeed
         0.19.8 casts to bf16 by setting ``p.data``), so that the host copies hold the values training starts from."""
+        self._access()
         for params in self._entries:
             self._adopt(params)
             self._pack(params)  # the cast gave each param an allocation of its own
