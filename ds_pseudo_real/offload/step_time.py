@@ -31,8 +31,11 @@ Per optimizer step of GA micro-batches, on one rank:
       the gradients of the step before (ready at 0, waiting for no copy out): for such a group
           out_g = max(out_prev, r_g) + gradient_g / PCIe
           cpu_g = cpu_prev + host_numel_g / host Adam rate
-      the others after the backward as in ``sequential``: step = max(e, the chain's end). In a steady run the host
-      step of step t fills the whole of step t + 1.
+      the others (DeepSpeed's groups) after the backward as in ``sequential``, their chain starting at its end, while
+      the late host step goes on: the host's cores shared between the two, the others' host Adam is slowed by the
+      time it overlaps the late one's rest R = max(0, W_late - its start), by at most its own length W_others, and
+      the host Adam ends at W_late + W_others if they overlap. step = max(e, the copies out's end, the others'
+      chain end + min(R, W_others), the host Adam's end). In a steady run the late host step fills step t + 1.
   ``OffloadPlan.offload_seconds_per_step`` stays what it was: every transfer and the host Adam added, an upper
   bound to compare plans with.
 """
@@ -150,9 +153,28 @@ def step_times(plan: OffloadPlan, compute: Compute = NO_COMPUTE) -> StepTimes:
     ready = [start + b * (layers - w.position) / layers if w.during_backward and w.position is not None else end
              for w in ordered]
     overlapped = max(end, host_chain_end(ordered, ready, pcie, adam))
-    late = [w.during_backward for w in ordered]
-    delayed = max(end, host_chain_end(ordered, ready, pcie, adam, late))
+    delayed = _delayed(ordered, ready, end, pcie, adam)
     return StepTimes(ga * f, ga * b, sequential, overlapped, delayed)
+
+
+def _delayed(ordered: List[GroupWork], ready: List[float], end: float, pcie: float, adam: float) -> float:
+    """The delayed step (module docstring): the offload's own groups stepped late from 0, DeepSpeed's after ``end``
+    beside them."""
+    late = [w for w in ordered if w.during_backward]
+    others = [w for w in ordered if not w.during_backward]
+    late_end = host_chain_end(late, ready[:len(late)], pcie, adam, [True] * len(late))
+    w_late = sum(w.host_numel for w in late) / adam
+    w_others = sum(w.host_numel for w in others) / adam
+    if not others:
+        return max(end, late_end)
+    outs = 0.0  # when the late groups' gradients are out: the others' copies out follow
+    for w, r in zip(late, ready):
+        outs = max(outs, r) + w.gradient_bytes / pcie
+    others_alone = host_chain_end(others, [max(end, outs)] + [end] * (len(others) - 1), pcie, adam)
+    first_adam = max(end, outs) + others[0].gradient_bytes / pcie
+    rest = max(0.0, w_late - first_adam)
+    adam_end = w_late + w_others if rest > 0 else max(w_late, others_alone)
+    return max(end, late_end, others_alone + min(rest, w_others), adam_end)
 
 
 def describe_step_times(times: StepTimes, plan: OffloadPlan, compute: Compute, sources: Mapping[str, str]) -> str:

@@ -65,6 +65,20 @@ def test_delayed_step_is_the_host_adam_when_that_is_the_longest():
     assert step_times(fast_pcie, quick).delayed == pytest.approx(4.0)
 
 
+def test_a_step_late_deepspeeds_groups_share_the_host_with_the_late_step():
+    # PCIe at 4 MB/s (copies of a millisecond), host Adam 100 params/s: layer3 (host_params, stepped late) 10 s
+    # from 0, layer2 (host_optimizer, DeepSpeed's) 10 s from when its gradient is out, at 3.001 s, beside the
+    # late step's remaining 6.999 s: both at half speed until 16.999 s, layer2 alone to 20, its master in at 20.001
+    # (alone it would end at 13.002: 6.999 s later); the host is busy from 0 to 20 s
+    setup = TrainingSetup("fp32", 2, pcie_bytes_per_s=4e6, cpu_adam_params_per_s=100)
+    plan = place(uniform_groups(4, 1000), {"layer2": HOST_OPTIMIZER, "layer3": HOST_PARAMS}, setup)
+    times = step_times(plan, COMPUTE)
+    assert times.delayed == pytest.approx(20.001)
+    # overlapped: layer3 from 1.501 s to 11.501 s, then layer2 to 21.501 s and its master in; sequential: the
+    # backward's 3 s, then 2 x (10 s of host Adam + a copy out) and a master in
+    assert times.overlapped == pytest.approx(21.502) and times.sequential == pytest.approx(23.002)
+
+
 def test_at_zero_0_nothing_is_stepped_during_the_backward():
     # fp32 ZeRO 0 keeps host_params layers in DeepSpeed's optimizer, which gets their gradients after the backward
     plan = small_plan({"layer2": HOST_OPTIMIZER, "layer3": HOST_PARAMS}, stage=0)
