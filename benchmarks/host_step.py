@@ -10,7 +10,9 @@ machine. Every layer is at host_params under ZeRO 2 (own groups: the ones the ov
 (``--dtype bf16``: half the bytes copied, and the step rounds a master into the host params), gradient clipping off
 (``--clip`` on: the groups stepped ahead keep backups, and a norm that clips makes them redo).
 The balanced case is the one where the sequential arm's forward+backward and its step take about as long
-(``--tokens`` sets the batch; the table prints both parts). The arms are timed interleaved, a block of steps each,
+(``--tokens`` sets the batch; the table prints both parts): ``--dtype bf16 --tokens 4`` here. Both sides are mostly
+bound by memory bandwidth on a CPU, so the run first measures what two cores move together against one (a triad):
+overlapping two bandwidth-bound streams takes at least one over that ratio of their time one after the other. The arms are timed interleaved, a block of steps each,
 round after round, so the machine's noise falls on all of them; the ratio is the median block time over the
 sequential arm's. On the CPU the allocator keeps freed blocks, as CUDA's caching allocator does
 (``common.keep_freed_blocks``; ``--host-allocator system`` leaves glibc's default, under which every fetch of a
@@ -125,6 +127,35 @@ def run_block(engine, first: int, count: int, args, parts: Dict[str, List[float]
     return losses
 
 
+def memory_bandwidth(numel: int = 16 * 2**20, repeats: int = 20) -> Dict[str, float]:
+    """A triad (a = b + 2c, 12 bytes an element) on one thread, then on two threads at once: GB/s each way. Both
+    sides of the CPU's overlap (the copies and compute of the "device", the host Adam) are mostly bound by memory
+    bandwidth, so what two cores move together against one bounds what overlapping them can save."""
+    import threading
+
+    import torch
+
+    tensors = [(torch.empty(numel), torch.rand(numel), torch.rand(numel)) for _ in range(2)]
+    for a, b, c in tensors:
+        torch.add(b, c, alpha=2.0, out=a)  # pages touched
+
+    def triad(a, b, c) -> None:
+        for _ in range(repeats):
+            torch.add(b, c, alpha=2.0, out=a)
+
+    start = time.perf_counter()
+    triad(*tensors[0])
+    one = 12 * numel * repeats / (time.perf_counter() - start) / 1e9
+    threads = [threading.Thread(target=triad, args=t) for t in tensors]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    two = 2 * 12 * numel * repeats / (time.perf_counter() - start) / 1e9  # both threads' bytes over the wall time
+    return {"one_thread_gb_per_s": one, "two_threads_gb_per_s": two, "two_over_one": two / one}
+
+
 def measure(args) -> Dict:
     engines, refused = {}, {}
     for arm in args.arms:
@@ -197,6 +228,11 @@ def main(argv=None) -> int:
           flush=True)
     print(f"host step benchmark: {args.layers} layers of hidden {args.hidden} at host_params, ZeRO 2, {args.dtype}, "
           f"{args.tokens} tokens per step, gradient_clipping {args.clip}", flush=True)
+    bandwidth = memory_bandwidth()
+    print(f"memory bandwidth (triad): one thread {bandwidth['one_thread_gb_per_s']:.1f} GB/s, two at once "
+          f"{bandwidth['two_threads_gb_per_s']:.1f} GB/s ({bandwidth['two_over_one']:.2f}x): two bandwidth-bound "
+          f"streams overlapped take at least {1 / bandwidth['two_over_one']:.2f}x their time one after the other",
+          flush=True)
     result = measure(args)
     table = markdown_table(
         ["arm", "ms/step", "ratio", "forward+backward ms", "optimizer step ms", "losses equal",
@@ -214,6 +250,7 @@ def main(argv=None) -> int:
         row["losses"] = [round(x, 6) for x in row["losses"][-5:]]  # the last few; equality is recorded above
     write_json(args.out, {"args": vars(args) | {"out": str(args.out)}, "machine": machine_description(),
                           "host_allocator_keeps_freed_blocks": caching,
+                          "memory_bandwidth": bandwidth,
                           "median_note": "block times: median over rounds; parts: median over steps", **result})
     print(f"wrote {args.out}")
     return 0

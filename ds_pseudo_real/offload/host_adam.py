@@ -152,16 +152,16 @@ class HostAdam:
     def master(self, p: torch.Tensor, level: str) -> torch.Tensor:
         """The host fp32 master of ``p``: the host params themselves at host_params in fp32 (unless
         ``separate_masters``), else a host copy (of the params, or of the bf16 host params)."""
-        source = p
-        if level == HOST_PARAMS:
-            source = self.host_params.host_tensor(p)
-            if source.dtype == torch.float32 and not self.separate_masters:
-                return source
+        if level == HOST_PARAMS and not self.separate_masters:
+            host = self.host_params.host_tensor(p)
+            if host.dtype == torch.float32:
+                return host
         master = self.masters.get(p)
-        if master is None:
+        fresh = master is None
+        if fresh:
             master = self.masters[p] = self.buffer(p, "master")
-            master.copy_(source.detach())
-        elif p in self._stale_masters:
+        if fresh or p in self._stale_masters:  # the only reads of the params (a delayed step may be writing them)
+            source = self.host_params.host_tensor(p) if level == HOST_PARAMS else p
             master.copy_(source.detach())
             self._stale_masters.discard(p)
         return master
