@@ -216,6 +216,8 @@ def main(argv=None) -> int:
                    help="torch threads, the host step's kernel threads too (1 on the CPU: a core for each side)")
     p.add_argument("--host-allocator", choices=("caching", "system"), default="caching",
                    help="on the CPU: keep freed blocks as CUDA's caching allocator does (default), or glibc's default")
+    p.add_argument("--triad-numel", type=int, default=16 * 2**20,
+                   help="elements of each array of the memory-bandwidth triad (out of every cache)")
     p.add_argument("--out", type=Path, default=RESULTS / "host_step.json")
     args = p.parse_args(argv)
     if "sequential" not in args.arms:
@@ -228,7 +230,7 @@ def main(argv=None) -> int:
           flush=True)
     print(f"host step benchmark: {args.layers} layers of hidden {args.hidden} at host_params, ZeRO 2, {args.dtype}, "
           f"{args.tokens} tokens per step, gradient_clipping {args.clip}", flush=True)
-    bandwidth = memory_bandwidth()
+    bandwidth = memory_bandwidth(args.triad_numel)
     print(f"memory bandwidth (triad): one thread {bandwidth['one_thread_gb_per_s']:.1f} GB/s, two at once "
           f"{bandwidth['two_threads_gb_per_s']:.1f} GB/s ({bandwidth['two_over_one']:.2f}x): two bandwidth-bound "
           f"streams overlapped take at least {1 / bandwidth['two_over_one']:.2f}x their time one after the other",

@@ -582,11 +582,16 @@ def test_the_host_step_benchmark_compares_arms_on_the_same_losses(tmp_path, clip
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(key, None)
     flags = ["--hidden", "64", "--layers", "2", "--vocab", "64", "--rounds", "2", "--block", "2", "--clip", str(clip),
-             "--dtype", dtype, "--arms", "sequential", "overlapped", "delayed", "--out", str(out)]
+             "--dtype", dtype, "--arms", "sequential", "overlapped", "delayed", "--triad-numel", str(2**18),
+             "--out", str(out)]
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_step.py"), *flags], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows, bandwidth = result["rows"], result["memory_bandwidth"]
+    assert 0 < bandwidth["one_thread_gb_per_s"] and 0 < bandwidth["two_threads_gb_per_s"]
+    assert bandwidth["two_over_one"] == bandwidth["two_threads_gb_per_s"] / bandwidth["one_thread_gb_per_s"]
+    assert "two bandwidth-bound streams overlapped take at least" in proc.stdout
     assert rows["overlapped"]["losses"] == rows["sequential"]["losses"]
     assert rows["overlapped"]["losses_equal_to_sequential"]
     overlapped, delayed = rows["overlapped"], rows["delayed"]
