@@ -42,9 +42,11 @@ os.environ["PYTHONPATH"] = python_path(*[entry for entry in os.environ.get("PYTH
 # Files (scopes) that take minutes on 2 cores, slowest first: the scheduler below starts them first, so that no
 # worker is left with one of them at the end while the other is idle. Any other file goes after these, the files
 # with the most tests first.
+# test_nvme_offload.py comes after the files that need only the ops built first (.ci/run builds the NVMe tier's op
+# last).
 SLOW_FIRST = ["tests/slurm", "tests/megatron/test_megatron_run.py", "tests/megatron/test_megatron_layouts.py",
-              "tests/test_nvme_offload.py", "tests/test_main_job.py", "tests/test_data.py",
-              "tests/offload/test_optimizer.py", "tests/test_checkpoints.py", "tests/test_ds_delink.py",
+              "tests/test_main_job.py", "tests/test_data.py", "tests/offload/test_optimizer.py",
+              "tests/test_checkpoints.py", "tests/test_ds_delink.py", "tests/test_nvme_offload.py",
               "tests/test_recompute_main_job.py", "tests/test_resume_logs.py"]
 
 

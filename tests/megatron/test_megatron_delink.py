@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import run_two_ranks
 
+pytestmark = pytest.mark.no_ops  # Megatron's own optimizers: never waits for DeepSpeed's C++ ops
+
 WORKERS = Path(__file__).parent / "workers"
 
 

@@ -16,6 +16,8 @@ from megatron_lm import M6, MEGATRON_LM, TINY, Sequence, check_resumed_run, need
 from megatron_patches.run import (RELEASE, TRACKER_FILE, check_arguments, checkpoint_to_load,
                                   pseudo_stage_at_start)
 
+pytestmark = pytest.mark.no_ops  # Megatron's own optimizers: never waits for DeepSpeed's C++ ops
+
 SWITCH = 3
 # 4 layers, hidden 64, ffn 256: 49,984 parameters per layer; the delink adds 3 layers' worth.
 PSEUDO_PARAMS, REAL_PARAMS = 68_544, 68_544 + 3 * 49_984
