@@ -232,7 +232,7 @@ if want host_step; then
   step build_host_step_op "$PY" -c "from ds_pseudo_real.offload.kernel import gil_free_builder; gil_free_builder().load()" &&
   step calibrate "$PY" -m ds_pseudo_real.plan_command --config configs/offload_m6_10t.json --world-size 512 \
     --device-memory 32GB --calibrate --ranks-per-node 8 --calibration-out "$OUT/calibration.json" &&
-  if [ "$dry" = 1 ]; then hs=(--hidden 64 --layers 2 --vocab 64 --rounds 1 --block 2)
+  if [ "$dry" = 1 ]; then hs=(--hidden 64 --layers 2 --vocab 64 --rounds 1 --block 2 --triad-numel 262144)
   elif [ "$cuda" = 1 ]; then hs=(--hidden 2048 --layers 8 --vocab 32768 --tokens 2048 --threads 8)
   else hs=(); fi &&
   step host_step "$PY" benchmarks/host_step.py "${hs[@]}" --out "$OUT/host_step.json"
