@@ -76,6 +76,9 @@ class HostStepAhead:
         self._assumed: Optional[Tuple[float, Tuple]] = None  # (factor, values) a step ahead would use in this step
         self._hold = False  # the last step refused what was assumed: this one is sequential
         self._backups: Dict[torch.Tensor, _Backup] = {}
+        # param -> the squared L2 norm of its gradient this step, taken by the worker while the buffer is fresh in
+        # its cache (``OwnGradients.norm`` reads it instead of the buffer: the same value)
+        self.squares: Dict[torch.Tensor, torch.Tensor] = {}
         self._copies: Dict[Tuple[int, str], torch.Tensor] = {}  # (group id, kind) -> flat backup buffer
         self.stepped_ahead = 0  # groups stepped ahead since construction
         self.redone = 0  # ... of them restored and stepped again at the step
@@ -115,6 +118,7 @@ class HostStepAhead:
         for p, staged in flush.staged.items():
             self.host.grad_buffers[p].add_(staged)
         for p in group["params"]:
+            self.squares[p] = torch.linalg.vector_norm(self.host.grad_buffers[p]).pow(2)
             state = self.host.state(p, self.state_of(p))
             master = self.host.master(p, HOST_PARAMS)
             host = self.host_params.host_tensor(p)
@@ -213,6 +217,7 @@ class HostStepAhead:
             self.state_of(p)["step"] = backup.step
 
     def _end_of_step(self) -> None:
+        self.squares.clear()
         if self._flushes:
             self._expected = dict(self._flushes)
         self._flushes.clear()

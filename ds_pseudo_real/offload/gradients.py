@@ -182,11 +182,14 @@ class OwnGradients:
 
         self.settle()
         squares = {False: torch.zeros((), dtype=torch.float32), True: torch.zeros((), dtype=torch.float32)}
+        taken = self.ahead.squares if self.ahead is not None else {}  # computed by the worker during the backward
         for p in (p for p in self._group_of if p in self.received):  # in model order: the sum is reproducible
             if self.tensor_parallel_rank != 0 and not splits_over_tensor_parallel(p):
                 continue  # replicated over the tensor-parallel ranks: counted on the first
             group = self._group_of[p]
-            square = torch.linalg.vector_norm(self.host.grad_buffers[p]).pow(2)
+            square = taken.get(p)
+            if square is None:
+                square = torch.linalg.vector_norm(self.host.grad_buffers[p]).pow(2)
             if group.get("moe") and dist.is_initialized():
                 square = square / dist.get_world_size(self.sum_group(group))
             squares[bool(group.get("moe"))] += square
