@@ -127,8 +127,9 @@ def run_block(engine, first: int, count: int, args, parts: Dict[str, List[float]
     return losses
 
 
-def memory_bandwidth(numel: int = 16 * 2**20, repeats: int = 20) -> Dict[str, float]:
-    """A triad (a = b + 2c, 12 bytes an element) on one thread, then on two threads at once: GB/s each way. Both
+def memory_bandwidth(numel: int = 16 * 2**20, repeats: int = 20, samples: int = 5) -> Dict[str, float]:
+    """A triad (a = b + 2c, 12 bytes an element) on one thread, then on two threads at once: GB/s each way, the
+    median of ``samples`` of each. Both
     sides of the CPU's overlap (the copies and compute of the "device", the host Adam) are mostly bound by memory
     bandwidth, so what two cores move together against one bounds what overlapping them can save."""
     import threading
@@ -143,17 +144,21 @@ def memory_bandwidth(numel: int = 16 * 2**20, repeats: int = 20) -> Dict[str, fl
         for _ in range(repeats):
             torch.add(b, c, alpha=2.0, out=a)
 
-    start = time.perf_counter()
-    triad(*tensors[0])
-    one = 12 * numel * repeats / (time.perf_counter() - start) / 1e9
-    threads = [threading.Thread(target=triad, args=t) for t in tensors]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    two = 2 * 12 * numel * repeats / (time.perf_counter() - start) / 1e9  # both threads' bytes over the wall time
-    return {"one_thread_gb_per_s": one, "two_threads_gb_per_s": two, "two_over_one": two / one}
+    ones, twos = [], []
+    for _ in range(samples):  # interleaved, medians: the machine's load moves
+        start = time.perf_counter()
+        triad(*tensors[0])
+        ones.append(12 * numel * repeats / (time.perf_counter() - start) / 1e9)
+        threads = [threading.Thread(target=triad, args=t) for t in tensors]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        twos.append(2 * 12 * numel * repeats / (time.perf_counter() - start) / 1e9)  # both threads' bytes
+    one, two = median(ones), median(twos)
+    return {"one_thread_gb_per_s": one, "two_threads_gb_per_s": two, "two_over_one": two / one,
+            "samples": samples}
 
 
 def measure(args) -> Dict:
