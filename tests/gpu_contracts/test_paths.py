@@ -212,24 +212,35 @@ def test_the_delink_runs_on_the_ranks_gpu(fake_world, stage, fp16, monkeypatch):
 
 
 # ---- DeepSpeed's pipeline engine ------------------------------------------------------------------------------
-def test_a_pipeline_with_granular_offload_runs_on_the_ranks_gpu(fake_world):
+def test_a_pipeline_with_granular_offload_runs_on_the_ranks_gpu(fake_world, monkeypatch):
     """Stage 0 of 2 x 4 data-parallel ranks: the pseudo stage's tied set at host_optimizer (ZeRO 1) and each stage's
-    own set at host_params (ZeRO 0), through the delink at step 3; and host_params for the set both stages hold,
-    refused on every stage after an all-reduce on the device."""
+    own set at host_params (ZeRO 0), through the delink at step 3; the first again with its host_params layer stepped
+    a step late (host_step "delayed", from step 0): the pseudo stage has no layer the offload steps itself (its set
+    is at host_optimizer), the real one's layer 2 is stepped by the worker at steps 4 and 5; and host_params for the
+    set both stages hold, refused on every stage after an all-reduce on the device."""
     import deepspeed
     import pipeline_delink as pd
     from ds_pseudo_real.config import ConfigError
+    from ds_pseudo_real.offload.delayed import DelayedHostStep
 
+    stepped_late = []
+    step_late = DelayedHostStep._step
+    monkeypatch.setattr(DelayedHostStep, "_step", lambda self, work, factor: (
+        stepped_late.append(sorted({group["placement"] for group, *_ in work})), step_late(self, work, factor)))
     deepspeed.init_distributed()
     torch.cuda.set_device(3)
-    for zero, groups, offload in ((1, 1, "spanning"), (0, 2, "in_stage")):
-        engine, *_ = ds_pseudo_real.initialize(model=pd.pipeline_module(),
-                                               config=pd.config(zero, groups, "copy", "fp32", offload))
+    for zero, groups, offload, host_step in ((1, 1, "spanning", None), (0, 2, "in_stage", None),
+                                             (1, 1, "spanning", "delayed")):
+        config = pd.config(zero, groups, "copy", "fp32", offload)
+        if host_step:
+            config["granular_offload"].update(host_step=host_step, delayed_from_step=0)
+        engine, *_ = ds_pseudo_real.initialize(model=pd.pipeline_module(), config=config)
         assert engine.engine.stage_id == 0 and engine.offload_plan is not None
         for step in range(1, 6):
             assert engine.train_batch(iter(pd.batches(step, 0))).device == CUDA3
         assert engine.stage == "real" and engine.offload_plan is not None
         engine.engine.destroy()
+    assert stepped_late == [["layer2"], ["layer2"]]
     refused = pd.config(1, 1, "copy", "fp32", "no_offload")
     refused["granular_offload"] = {"levels": {"1": "host_params"}}
     with pytest.raises(ConfigError, match="a module that other pipeline stages hold too"):
