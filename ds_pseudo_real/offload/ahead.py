@@ -76,8 +76,9 @@ class HostStepAhead:
         self._assumed: Optional[Tuple[float, Tuple]] = None  # (factor, values) a step ahead would use in this step
         self._hold = False  # the last step refused what was assumed: this one is sequential
         self._backups: Dict[torch.Tensor, _Backup] = {}
-        # param -> the squared L2 norm of its gradient this step, taken by the worker while the buffer is fresh in
-        # its cache (``OwnGradients.norm`` reads it instead of the buffer: the same value)
+        # param -> the squared L2 norm of its accumulated gradient this step (a flush that added staged gradients:
+        # the one-flush ones are taken on the device, ``OwnGradients``), taken by the worker while the buffer is
+        # fresh in its cache (``OwnGradients.norm`` reads it instead of the buffer: the same value)
         self.squares: Dict[torch.Tensor, torch.Tensor] = {}
         self._copies: Dict[Tuple[int, str], torch.Tensor] = {}  # (group id, kind) -> flat backup buffer
         self.stepped_ahead = 0  # groups stepped ahead since construction
@@ -117,8 +118,9 @@ class HostStepAhead:
             flush.event.synchronize()
         for p, staged in flush.staged.items():
             self.host.grad_buffers[p].add_(staged)
-        for p in group["params"]:
+        for p in flush.staged:
             self.squares[p] = torch.linalg.vector_norm(self.host.grad_buffers[p]).pow(2)
+        for p in group["params"]:
             state = self.host.state(p, self.state_of(p))
             master = self.host.master(p, HOST_PARAMS)
             host = self.host_params.host_tensor(p)

@@ -18,6 +18,9 @@ from ds_pseudo_real.offload.host_adam import HOST, HostAdam
 from ds_pseudo_real.offload.params import EndOfBackward
 
 
+EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # gradient dtypes the fp32 host buffers hold exactly
+
+
 class _Flush:
     """One group's gradients on their way to the host: the copies, their event and the staged micro-batch
     gradients to add to the buffers once the copies are done."""
@@ -49,6 +52,10 @@ class OwnGradients:
         self.model_parallel_group = None
         self.tensor_parallel_rank = 0
         self.received: Set[torch.Tensor] = set()  # params whose host buffer holds a gradient this step
+        # param -> its gradient's squared L2 norm (a 0-dim fp32 tensor where the gradient was), taken from what its
+        # one flush of this step copied, before the copy: the host never reads the gradients for the norm. Dropped
+        # when a second flush adds to the buffer (gradient accumulation), whose norm is then read on the host
+        self._squares: Dict[torch.Tensor, torch.Tensor] = {}
         self.peak_device_bytes = 0  # the most gradient bytes one flush held on the device
         # group index -> params ready, not flushed (a dict as an ordered set: a param whose gradient is accumulated
         # again before its group is flushed, through a second accumulator, is flushed once with both)
@@ -98,6 +105,9 @@ class OwnGradients:
             if dist.is_initialized() and dist.get_world_size(self.reduce_group) > 1:
                 grads = self._reduced(group, grads)
         self._wait(params)  # a copy still writing these params' buffers or staging
+        for p, grad in zip(params, grads):  # on the stream that made them, as the fp32 the host buffer will hold
+            if p not in self.received and grad.dtype in EXACT_IN_FP32:
+                self._squares[p] = torch.linalg.vector_norm(grad, dtype=torch.float32).pow(2)
         cuda = grads[0].is_cuda
         stream = self.host.to_host_stream
         if cuda:
@@ -107,6 +117,7 @@ class OwnGradients:
             for p, grad in zip(params, grads):
                 if p in self.received:
                     target = staged[p] = self.host.buffer(p, "staging")
+                    self._squares.pop(p, None)
                 else:
                     target = self.host.grad_buffer(p)
                     self.received.add(p)
@@ -182,10 +193,13 @@ class OwnGradients:
 
         self.settle()
         squares = {False: torch.zeros((), dtype=torch.float32), True: torch.zeros((), dtype=torch.float32)}
-        taken = self.ahead.squares if self.ahead is not None else {}  # computed by the worker during the backward
-        for p in (p for p in self._group_of if p in self.received):  # in model order: the sum is reproducible
-            if self.tensor_parallel_rank != 0 and not splits_over_tensor_parallel(p):
-                continue  # replicated over the tensor-parallel ranks: counted on the first
+        counted = [p for p in self._group_of if p in self.received  # in model order: the sum is reproducible
+                   and (self.tensor_parallel_rank == 0 or splits_over_tensor_parallel(p))]  # else on the first
+        taken = dict(self.ahead.squares) if self.ahead is not None else {}  # by the worker, during the backward
+        flushed = [p for p in counted if p in self._squares]
+        if flushed:  # taken before their copies, where the gradients were: to the host at once
+            taken.update(zip(flushed, torch.stack([self._squares[p] for p in flushed]).to(HOST).unbind()))
+        for p in counted:
             group = self._group_of[p]
             square = taken.get(p)
             if square is None:
@@ -214,6 +228,7 @@ class OwnGradients:
             self.ahead.wait()
         self._wait()  # a copy still in flight would write a buffer after this
         self.received.clear()
+        self._squares.clear()
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
