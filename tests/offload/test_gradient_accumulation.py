@@ -59,3 +59,37 @@ def test_accumulated_steps_equal_the_all_device_model_at_every_level(stage):
         assert torch.equal(weights_after(stage, level, 4), device), level
     one_batch = weights_after(stage, "device", 1)
     assert 0 < (one_batch - device).abs().max().item() < 1e-4  # summation order only
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_own_gradients_norm_is_the_host_buffers_norm(dtype, accumulation):
+    """The norm of the offload's own gradients (host_params at ZeRO 2) is the norm of what their host buffers hold,
+    bit for bit: taken from each gradient before its copy when one flush fills the buffer, read from the buffer
+    when micro-batches are added in it."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    cfg = {"train_micro_batch_size_per_gpu": BATCH // accumulation, "gradient_accumulation_steps": accumulation,
+           "steps_per_print": 10**6, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "granular_offload": {"levels": {str(i): "host_params" for i in range(4)}}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    optimizer, patched, _ = build_offload_optimizer(model, cfg, "layers", 1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=patched)
+    attach_to_engine(engine)
+    own = optimizer.own_gradients
+    for step in range(2):
+        x, y = batch(step, 0, size=BATCH)
+        micro = BATCH // accumulation
+        for m in range(accumulation):
+            engine.backward(engine(x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro]))
+            if m == accumulation - 1:
+                taken_before_copies = len(own._squares)
+                norm = optimizer.own_grad_norm()
+                buffers = [optimizer.host.grad_buffers[p] for p in own.params]
+                assert torch.equal(norm, sum(torch.linalg.vector_norm(b).pow(2) for b in buffers).sqrt())
+                assert norm > 0
+                assert taken_before_copies == (len(buffers) if accumulation == 1 else 0)
+            engine.step()
+    engine.destroy()
