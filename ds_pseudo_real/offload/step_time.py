@@ -123,15 +123,14 @@ def group_work(plan: OffloadPlan) -> List[GroupWork]:
 
 
 def host_chain_end(work: Iterable[GroupWork], ready: Iterable[float], pcie_bytes_per_s: float,
-                   adam_params_per_s: float, late: Iterable[bool] = ()) -> float:
+                   adam_params_per_s: float, late: bool = False) -> float:
     """When the last of the groups' gradient out, host Adam and master in ends, each group starting at its ready
-    time, the three resources taken in the groups' order (the module docstring's recurrence). A group flagged in
-    ``late`` steps the gradient of the step before: its host Adam waits for no copy out."""
+    time, the three resources taken in the groups' order (the module docstring's recurrence). ``late``: the groups
+    step the gradients of the step before, so their host Adam waits for no copy out."""
     out = cpu = back = 0.0
-    late = list(late)
-    for i, (w, r) in enumerate(zip(work, ready)):
+    for w, r in zip(work, ready):
         out = max(out, r) + w.gradient_bytes / pcie_bytes_per_s
-        cpu = (cpu if i < len(late) and late[i] else max(cpu, out)) + w.host_numel / adam_params_per_s
+        cpu = (cpu if late else max(cpu, out)) + w.host_numel / adam_params_per_s
         back = max(back, cpu) + w.master_bytes / pcie_bytes_per_s
     return max(out, cpu, back)
 
@@ -162,7 +161,7 @@ def _delayed(ordered: List[GroupWork], ready: List[float], end: float, pcie: flo
     beside them."""
     late = [w for w in ordered if w.during_backward]
     others = [w for w in ordered if not w.during_backward]
-    late_end = host_chain_end(late, ready[:len(late)], pcie, adam, [True] * len(late))
+    late_end = host_chain_end(late, ready[:len(late)], pcie, adam, late=True)
     w_late = sum(w.host_numel for w in late) / adam
     w_others = sum(w.host_numel for w in others) / adam
     if not others:
