@@ -323,6 +323,13 @@ class PseudoToRealController:
             stages.build(*stage, None, self.state)
         return self._checkpoints.restore(chosen, **kwargs)
 
+    def destroy(self) -> None:
+        """End the current engine: granular offload's hooks taken off the model, a delayed host step in flight
+        finished and published into the host parameters (so the model holds every update) and its worker stopped,
+        then DeepSpeed's ``destroy`` and the memory it held given back. DeepSpeed's own ``engine.engine.destroy()``
+        does not reach the offload's optimizer under ZeRO."""
+        self._stages.release()
+
     def rewind_monitors(self) -> None:
         """Drop what DeepSpeed's TensorBoard and CSV monitors logged after the current step (an interrupted run's
         tail; CSV rows kept in ``<file>.discarded``), so that the run's monitor output reads as one run's.

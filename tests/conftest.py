@@ -209,16 +209,28 @@ def run_main_job(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
 
 def run_two_ranks(script: Path, *args: str, timeout: float = 600, env_extra=None, ranks: int = 2
                   ) -> subprocess.CompletedProcess:
-    """Run ``script`` on 2 (``ranks``) gloo ranks with torchrun; fail the test with the output if it exits non-zero."""
+    """Run ``script`` on 2 (``ranks``) gloo ranks with torchrun; fail the test with the output if it exits non-zero.
+
+    Each rank's stdout goes to a file of its own (torchrun's ``--redirects``); the result's ``stdout`` is torchrun's
+    then rank 0's, rank 1's, ... whole, and ``rank_stdouts`` has each rank's: lines of two ranks written to one pipe
+    can interleave mid-line (a block flushed from Python's buffer, a write over the pipe's atomic size), which loses
+    a line to a parser."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     env.update(env_extra or {})
     marker = launch_marker(env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-           str(free_port()), str(script), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    with tempfile.TemporaryDirectory(prefix="rank-stdouts-") as logs:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+               str(free_port()), "--log-dir", logs, "--redirects", "1", str(script), *args]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        by_rank = sorted(Path(logs).glob("*/attempt_*/*/stdout.log"),
+                         key=lambda f: (f.parent.parent.name, int(f.parent.name)))
+        stdouts = [f.read_text(errors="replace") for f in by_rank]
+    proc.stdout += "".join(stdouts)
+    proc.rank_stdouts = stdouts
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+        tails = "".join(f"--- stdout of rank {rank}\n{out[-3000:]}\n" for rank, out in enumerate(stdouts))
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{tails}--- stderr\n{proc.stderr[-6000:]}")
     left = nothing_left_of_launch(marker)
     assert not left, f"{' '.join(cmd)} left processes behind: {left}"
     return proc

@@ -190,7 +190,7 @@ def test_two_ranks_publish_only_once_both_are_durable_and_share_a_failure(tmp_pa
     background write fails (ENOSPC): both ranks raise the same CheckpointError at the same step, the partial folder
     goes, and a later save and a resume from it work."""
     proc = run_two_ranks(SCRIPTS / "async_save_two_ranks.py", str(tmp_path / "ckpt"))
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.rank_stdouts[0].strip().splitlines()[-1])
     assert result["unpublished_steps_while_rank1_wrote"] >= 1
     assert result["published"] == "global_step2" and result["verified"]
     errors = result["errors"]

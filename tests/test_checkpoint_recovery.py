@@ -510,7 +510,7 @@ def test_disk_full_names_the_file_and_the_last_good_checkpoint_and_the_next_save
 
 def test_a_write_failing_on_one_of_two_ranks_raises_on_both_and_the_run_goes_on(tmp_path):
     proc = run_two_ranks(Path(__file__).parent / "scripts" / "save_failure.py", str(tmp_path / "ckpt"))
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.rank_stdouts[0].strip().splitlines()[-1])
     assert result["errors"][0] == result["errors"][1]  # the same error on both ranks, and no hang
     message = result["errors"][0]
     assert message.startswith(f"could not save checkpoint {tmp_path / 'ckpt' / 'global_step3'} (rank 1): OSError: "

@@ -244,7 +244,7 @@ def test_a_pseudo_checkpoint_converted_for_two_ranks_resumes_in_the_pseudo_stage
     assert json.loads((out / ckpt.SIDECAR).read_text())["stage"] == "pseudo"
     proc = run_two_ranks(Path(__file__).parent / "scripts" / "resume_converted.py", str(tmp_path / "pseudo"),
                          str(tmp_path / "pseudo_converted"))
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.rank_stdouts[0].strip().splitlines()[-1])
     assert (f"ds-pseudo-real convert --input {tmp_path / 'pseudo'} --tag global_step2 --output "
             f"{tmp_path / 'pseudo'}_converted\n") in result["refusal"]
     assert "its stage (a pseudo-stage one goes on in the pseudo stage and delinks where configured)" in result["refusal"]

@@ -239,7 +239,7 @@ def test_a_pipeline_with_granular_offload_runs_on_the_ranks_gpu(fake_world, monk
         for step in range(1, 6):
             assert engine.train_batch(iter(pd.batches(step, 0))).device == CUDA3
         assert engine.stage == "real" and engine.offload_plan is not None
-        engine.engine.destroy()
+        engine.destroy()  # the step in flight (step 5's) finished and published
     assert stepped_late == [["layer2"], ["layer2"]]
     refused = pd.config(1, 1, "copy", "fp32", "no_offload")
     refused["granular_offload"] = {"levels": {"1": "host_params"}}
