@@ -324,11 +324,13 @@ class PseudoToRealController:
         return self._checkpoints.restore(chosen, **kwargs)
 
     def destroy(self) -> None:
-        """End the current engine: granular offload's hooks taken off the model, a delayed host step in flight
-        finished and published into the host parameters (so the model holds every update) and its worker stopped,
-        then DeepSpeed's ``destroy`` and the memory it held given back. DeepSpeed's own ``engine.engine.destroy()``
-        does not reach the offload's optimizer under ZeRO."""
-        self._stages.release()
+        """End the current engine and give back what it held: granular offload's hooks taken off the model, a
+        delayed host step in flight finished and its worker stopped, then DeepSpeed's ``destroy``; the module's
+        weights are released (a forward raises). Save a checkpoint first to keep them. DeepSpeed's own
+        ``engine.engine.destroy()`` does not reach the offload's optimizer under ZeRO."""
+        from .stages import DESTROYED_MODULE
+
+        self._stages.release(DESTROYED_MODULE)
 
     def rewind_monitors(self) -> None:
         """Drop what DeepSpeed's TensorBoard and CSV monitors logged after the current step (an interrupted run's

@@ -19,7 +19,7 @@ from .config import ConfigError, PseudoToRealConfig
 from .device import rank_device
 from .ds_state import pipeline as ds_pipeline
 from .sharing import group_leader
-from .stages import StageBuilder, fill_from
+from .stages import RETIRED_MODULE, StageBuilder, fill_from
 from .training_facts import TrainingFacts
 
 if TYPE_CHECKING:
@@ -188,9 +188,9 @@ class PipelineStageBuilder(StageBuilder):
             fill_from([(p, self._mapped_name(name)) for name, p in model.named_parameters()], weights)
         return model
 
-    def release(self) -> None:
+    def release(self, retired: str = RETIRED_MODULE) -> None:
         self._data_iterator = self.engine.data_iterator
-        super().release()
+        super().release(retired)
 
     def _new_engine(self, model: nn.Module, stage: str, training_data=None, collate_fn=None):
         loader = super()._new_engine(model, stage, training_data, collate_fn)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 RETIRED_MODULE = ("this module was the pseudo model, which the delink replaced by the real one; train, evaluate and "
                   "save through the engine ds_pseudo_real.initialize returned, and read the model as engine.module")
+DESTROYED_MODULE = "this module's engine was destroyed (engine.destroy()), which released its weights"
 
 # Where the delink keeps the gathered fp32 pseudo weights and moments while it builds the next stage: on the host.
 # They are full (unpartitioned) on every rank whatever the ZeRO stage, 12 bytes per pseudo parameter: on the device
@@ -400,8 +401,9 @@ class StageBuilder:
         del planned
         return skeleton
 
-    def release(self) -> None:
-        """Destroy the current engine and give back what it held (its monitor is kept for the next engine)."""
+    def release(self, retired: str = RETIRED_MODULE) -> None:
+        """Destroy the current engine and give back what it held (its monitor is kept for the next engine); a
+        forward of its module raises ``RuntimeError(retired)``."""
         from .pinned import empty_host_cache
 
         remove_hooks = getattr(ds_state.basic_optimizer(self.engine), "remove_hooks", None)
@@ -410,7 +412,7 @@ class StageBuilder:
         self._monitor = self.engine.monitor
         module = self.engine.module
         self.engine.destroy()
-        ds_state.retire_module(module, RETIRED_MODULE)
+        ds_state.retire_module(module, retired)
         self.engine = self.optimizer = self.lr_scheduler = None
         gc.collect()
         return_freed_host_memory()
