@@ -1,6 +1,5 @@
 """A script of cases (``run_host_step.py``, ``run_delayed_step.py``: ``run_training.run_each_case``) run on one rank
-and on two: each rank writes one JSON line per case to ``results.rank<R>.jsonl`` in ``OFFLOAD_TEST_DIR`` (the ranks'
-stdouts interleave) and prints it after ``RESULT``."""
+and on two: each rank prints one JSON line per case after ``RESULT``."""
 import json
 import os
 import subprocess
@@ -22,17 +21,18 @@ def on_one_rank(script: Path, cases: Sequence[str], folder: Path) -> Dict[str, D
                           timeout=900, cwd=REPO)
     if proc.returncode != 0:
         pytest.fail(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return {r["case"]: r for r in (json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
-                                   if line.startswith("RESULT "))}
+    return {r["case"]: r for r in results(proc.stdout)}
+
+
+def results(stdout: str) -> List[Dict]:
+    return [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
 
 
 def on_two_ranks(script: Path, cases: Sequence[str], folder: Path) -> Dict[str, List[Dict]]:
     """The cases' results, by case, one per rank, from ``script`` run on 2 gloo ranks."""
-    run_two_ranks(script, *cases, env_extra={"OFFLOAD_TEST_DIR": str(folder)})
+    proc = run_two_ranks(script, *cases, env_extra={"OFFLOAD_TEST_DIR": str(folder)})
     by_case: Dict[str, List[Dict]] = {}
-    for rank in range(2):
-        for line in (folder / f"results.rank{rank}.jsonl").read_text().splitlines():
-            result = json.loads(line)
+    for stdout in proc.rank_stdouts:
+        for result in results(stdout):
             by_case.setdefault(result["case"], []).append(result)
     return by_case
-

@@ -102,7 +102,7 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     for stage in sys.argv[1:]:
-        sys.stdout.write("RESULT " + json.dumps(run(int(stage), rank)) + "\n")  # one write: the ranks share stdout
+        sys.stdout.write("RESULT " + json.dumps(run(int(stage), rank)) + "\n")
         sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()

@@ -122,7 +122,7 @@ def main():
     for case in cases:
         if case.startswith("dp1:") and mpu is None:
             mpu = OneRankDataParallel()
-        sys.stdout.write("RESULT " + json.dumps(run_case(case, rank, mpu)) + "\n")  # one write: ranks share stdout
+        sys.stdout.write("RESULT " + json.dumps(run_case(case, rank, mpu)) + "\n")
         sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()

@@ -237,7 +237,7 @@ def main():
             ref_losses, ref_norms, ref_params, losses, norms, params, report = run_pipeline(int(stage))
         result = {"case": case, "rank": rank, "ref_losses": ref_losses, "losses": losses, "ref_norms": ref_norms,
                   "norms": norms, "params_max_diff": float((ref_params - params).abs().max()), "plan": report}
-        sys.stdout.write("RESULT " + json.dumps(result) + "\n")  # one write: ranks share stdout
+        sys.stdout.write("RESULT " + json.dumps(result) + "\n")
         sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()

@@ -43,16 +43,12 @@ FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_
 
 def run_each_case(run_case) -> None:
     """A case script's main: ``run_case(case, rank, world_size, checkpoint_dir)`` for each case of the command line;
-    each result a JSON line in ``results.rank<R>.jsonl`` of ``OFFLOAD_TEST_DIR`` (the ranks share a stdout) and
-    printed after ``RESULT`` (``case_runs`` reads them)."""
+    each result printed as a JSON line after ``RESULT`` (``case_runs`` reads them)."""
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     checkpoint_dir = os.environ.get("OFFLOAD_TEST_DIR") or tempfile.mkdtemp()
     for case in sys.argv[1:]:
-        result = json.dumps(run_case(case, rank, world_size, checkpoint_dir))
-        with open(os.path.join(checkpoint_dir, f"results.rank{rank}.jsonl"), "a") as out:
-            out.write(result + "\n")
-        print("RESULT " + result, flush=True)
+        print("RESULT " + json.dumps(run_case(case, rank, world_size, checkpoint_dir)), flush=True)
 
 
 def ds_config(stage, dtype, clipping=None):
@@ -293,7 +289,7 @@ def main(cases):
             else:
                 run = run_case(case, rank, world_size, shared)
             line = "RESULT " + json.dumps(run) + "\n"
-            os.write(1, line.encode())  # one write: the two ranks' lines must not interleave
+            os.write(1, line.encode())
     torch.distributed.destroy_process_group()
     # the results are out: leave without the interpreter's teardown, where a C++ thread of gloo or DeepSpeed still
     # joinable under load can abort a rank (std::terminate) after a run that passed
