@@ -83,8 +83,6 @@ def test_destroy_ends_the_engine_the_offloads_worker_and_the_module():
     """``engine.destroy()`` of the real engine with its host_params layer stepped a step late: the step in flight
     finished, the worker thread gone, nothing of the engine reachable, the module's weights released (a forward
     says the engine was destroyed)."""
-    import threading
-
     cfg = config(1, "fp32", "copy", switch=2)
     cfg["granular_offload"] = {"levels": {"0": "host_params"}, "host_step": "delayed", "delayed_from_step": 0}
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3}}
@@ -94,11 +92,12 @@ def test_destroy_ends_the_engine_the_offloads_worker_and_the_module():
     delayed = ds_state.basic_optimizer(engine.engine).delayed
     in_flight = list(delayed._queued)  # at step 3, the real optimizer's first: a publishing, then the step
     assert delayed.delayed == 1 and len(in_flight) == 2
+    workers = list(delayed._worker._threads)  # its executor's thread
     del delayed  # it holds the optimizer
     refs, module = pseudo_objects(engine), engine.module
     engine.destroy()
     assert all(future.done() and future.exception() is None for future in in_flight)
-    assert [t.name for t in threading.enumerate() if t.name.startswith("delayed host step")] == []
+    assert workers and not any(thread.is_alive() for thread in workers)
     gc.collect()
     assert [name for name, ref in refs.items() if ref() is not None] == []
     assert all(p.numel() == 0 for p in module.parameters())

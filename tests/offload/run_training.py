@@ -49,6 +49,7 @@ def run_each_case(run_case) -> None:
     checkpoint_dir = os.environ.get("OFFLOAD_TEST_DIR") or tempfile.mkdtemp()
     for case in sys.argv[1:]:
         print("RESULT " + json.dumps(run_case(case, rank, world_size, checkpoint_dir)), flush=True)
+    leave()
 
 
 def ds_config(stage, dtype, clipping=None):
@@ -290,9 +291,14 @@ def main(cases):
                 run = run_case(case, rank, world_size, shared)
             line = "RESULT " + json.dumps(run) + "\n"
             os.write(1, line.encode())
+    leave()
+
+
+def leave() -> None:
+    """The results are out: the process group destroyed, then exit without the interpreter's teardown, where a C++
+    thread of gloo or DeepSpeed still joinable under load can abort a rank (std::terminate) after a run that
+    passed."""
     torch.distributed.destroy_process_group()
-    # the results are out: leave without the interpreter's teardown, where a C++ thread of gloo or DeepSpeed still
-    # joinable under load can abort a rank (std::terminate) after a run that passed
     sys.stdout.flush()
     os._exit(0)
 
