@@ -17,6 +17,7 @@ from .device import use_rank_device
 from .pipeline import stage_builder
 from .ranks import log_rank0
 from .run_config import RunConfig
+from .stages import DESTROYED_MODULE
 from .transition import StageTransitionCallback, lr_factor
 
 
@@ -328,8 +329,6 @@ class PseudoToRealController:
         delayed host step in flight finished and its worker stopped, then DeepSpeed's ``destroy``; the module's
         weights are released (a forward raises). Save a checkpoint first to keep them. DeepSpeed's own
         ``engine.engine.destroy()`` does not reach the offload's optimizer under ZeRO."""
-        from .stages import DESTROYED_MODULE
-
         self._stages.release(DESTROYED_MODULE)
 
     def rewind_monitors(self) -> None:

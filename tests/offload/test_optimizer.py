@@ -7,7 +7,6 @@ group, makes every rank skip the step and halve the scale, as without offload.
 host_params layers under ZeRO 1/2 or bf16 are stepped outside DeepSpeed's optimizer (own groups): bit for bit the
 no-offload run without gradient clipping (``@clip0``); with DeepSpeed's default clipping (1.0) their gradient norm
 joins DeepSpeed's global norm in another summation order, so losses, norms and weights agree to float rounding."""
-import json
 import os
 import subprocess
 import sys
@@ -15,15 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from case_runs import results
 from conftest import CPU_FP16, REPO, free_port, python_path, run_two_ranks
 
 SCRIPT = Path(__file__).with_name("run_training.py")
 LEVELS = {"d": "device", "o": "host_optimizer", "p": "host_params"}
 EXPERTS = 4 * (32 * 64 + 64 + 64 * 32 + 32)  # expert parameters per MoE layer of TinyLM(ep_size=...): 16768
-
-
-def results(stdout):
-    return [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
 
 
 def run_one_rank(*cases, tmp_path):
